@@ -1,0 +1,43 @@
+"""Pure-torch tree speculative decoding core: DDTree selection, verify layout, acceptance.
+
+Device-agnostic, batched, fixed-shape and free of host synchronisation on the hot path; no
+SGLang or transformers imports.
+"""
+
+from sglang_tree_spec.tree.accept import (
+    AcceptResult,
+    SampledAcceptResult,
+    greedy_accept,
+    sample_accept,
+    target_probs,
+)
+from sglang_tree_spec.tree.ddtree import (
+    DraftTree,
+    build_ddtree,
+    build_ddtree_reference,
+    topk_from_logits,
+)
+from sglang_tree_spec.tree.layout import (
+    VerifyLayout,
+    ancestor_mask,
+    build_verify_layout,
+    full_mask_indptr,
+    write_full_mask,
+)
+
+__all__ = [
+    "AcceptResult",
+    "DraftTree",
+    "SampledAcceptResult",
+    "VerifyLayout",
+    "ancestor_mask",
+    "build_ddtree",
+    "build_ddtree_reference",
+    "build_verify_layout",
+    "full_mask_indptr",
+    "greedy_accept",
+    "sample_accept",
+    "target_probs",
+    "topk_from_logits",
+    "write_full_mask",
+]

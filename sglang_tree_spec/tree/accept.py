@@ -1,0 +1,290 @@
+"""Acceptance: walk a verified draft tree with the target's own decoding rule.
+
+Inputs are the target's outputs at every verify-window slot (slot 0 = root, slot ``i + 1`` =
+node ``i``, see :mod:`sglang_tree_spec.tree.layout`). Everything is batched with fixed shapes:
+no Python loop per request and no host synchronisation.
+
+Greedy: a node matches when its token is the target's argmax at its parent; a node is accepted
+when it and all its ancestors match. Siblings carry distinct tokens, so the accepted nodes form
+one path; the target's argmax at its deepest node is the bonus token.
+
+Sampling (lossless for deterministic drafts): at an accepted node with target distribution p,
+try its children in order; child c is accepted with probability r(c), r the current residual
+(p with the tokens of the rejected earlier siblings zeroed and renormalised); if every child is
+rejected, the bonus is drawn from the final residual. With distinct sibling tokens the residual
+before child c is p restricted to the complement of its earlier siblings, so
+``P(accept c | reached) = p(c) / (1 - sum of p over earlier siblings)``. Each node has its own
+coin, used at most once, so deciding every node's coin up front and then walking is the same
+process as the sequential walk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_tree_spec.tree.ddtree import DraftTree
+from sglang_tree_spec.tree.layout import SiblingGroups, group_siblings, slot_parents, window_valid
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """Outcome of one verify step for a batch. ``L`` = ``tree.max_depth``.
+
+    Attributes:
+        accept_len: ``[bs]`` int64 accepted draft tokens, bonus excluded (0..L).
+        bonus: ``[bs]`` int64 the target's token after the accepted path.
+        accepted_slots: ``[bs, L + 1]`` int64 window slots of the path, root (0) first, then
+            depth 1..accept_len; -1 after.
+        committed_tokens: ``[bs, L + 1]`` int64 the tokens this step commits: the accepted draft
+            tokens then the bonus; -1 after. ``accept_len + 1`` of them are real.
+    """
+
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+    accepted_slots: torch.Tensor
+    committed_tokens: torch.Tensor
+
+    @property
+    def deepest_slot(self) -> torch.Tensor:
+        """``[bs]`` window slot of the last accepted node (0 when none was accepted)."""
+        return _deepest_slot(self.accept_len, self.accepted_slots)
+
+
+@dataclass(frozen=True)
+class SampledAcceptResult(AcceptResult):
+    """:class:`AcceptResult` plus the probabilities the sampled walk used.
+
+    Attributes:
+        node_accept_prob: ``[bs, B]`` float64 probability that node ``i`` is accepted given
+            that its parent was accepted and its earlier siblings were rejected.
+        bonus_probs: ``[bs, V]`` the residual distribution the bonus was drawn from.
+    """
+
+    node_accept_prob: torch.Tensor
+    bonus_probs: torch.Tensor
+
+
+def _accepted_path(tree: DraftTree, passed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Close a per-node decision over ancestors and read off the accepted path.
+
+    Args:
+        passed: ``[bs, B]`` bool, node ``i`` is taken if its parent is accepted (at most one
+            passing child per parent).
+
+    Returns:
+        ``(accept_len [bs], path [bs, L + 1])``: the path's window slots by depth, root first,
+        -1 past ``accept_len``.
+    """
+    bs, budget, depth_max = tree.batch_size, tree.budget, tree.max_depth
+    device = tree.device
+    root = torch.ones(bs, 1, dtype=torch.bool, device=device)
+    accepted = torch.cat([root, passed & tree.valid], dim=1)  # [bs, D]
+    # Pointer doubling: with `covered` ancestors folded in, AND in the row of the ancestor
+    # covered + 1 steps up (the root points at itself and is always accepted).
+    jump, covered = slot_parents(tree).clamp_min(0), 0
+    while covered < depth_max:
+        accepted = accepted & accepted.gather(1, jump)
+        jump = jump.gather(1, jump)
+        covered = 2 * covered + 1
+    depths = torch.cat([torch.zeros(bs, 1, dtype=torch.long, device=device), tree.depths], 1)
+    accepted_depth = torch.where(accepted, depths, 0)
+    accept_len = accepted_depth.max(dim=1).values  # one path: its deepest node's depth
+    # Each accepted slot lands in its depth's column; the others in a discarded column.
+    slots = torch.arange(budget + 1, device=device).expand(bs, budget + 1)
+    column = torch.where(accepted, depths, depth_max + 1)
+    path = torch.full((bs, depth_max + 2), -1, dtype=torch.long, device=device)
+    path.scatter_(1, column, slots)
+    return accept_len, path[:, : depth_max + 1]
+
+
+def _committed_tokens(
+    tree: DraftTree, accept_len: torch.Tensor, path: torch.Tensor, bonus: torch.Tensor
+) -> torch.Tensor:
+    """``[bs, L + 1]``: the path's draft tokens, then the bonus, then -1."""
+    bs, depth_max = tree.batch_size, tree.max_depth
+    path_tokens = tree.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [bs, L]
+    committed = torch.cat([path_tokens, bonus.unsqueeze(1)], dim=1)
+    position = torch.arange(depth_max + 1, device=tree.device).expand(bs, depth_max + 1)
+    length = accept_len.unsqueeze(1)
+    committed = torch.where(position == length, bonus.unsqueeze(1), committed)
+    return torch.where(position <= length, committed, -1)
+
+
+def _deepest_slot(accept_len: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    return path.gather(1, accept_len.unsqueeze(1)).squeeze(1)
+
+
+def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> AcceptResult:
+    """Greedy acceptance.
+
+    Args:
+        tree: ``[bs, B]`` draft trees.
+        target_argmax: ``[bs, B + 1]`` the target's argmax token at each window slot (slot 0 =
+            its prediction after the root).
+    """
+    if target_argmax.shape != (tree.batch_size, tree.budget + 1):
+        raise ValueError(
+            f"target_argmax must be [bs, budget + 1] = {(tree.batch_size, tree.budget + 1)}, "
+            f"got {tuple(target_argmax.shape)}"
+        )
+    target_argmax = target_argmax.to(torch.long)
+    predicted_at_parent = target_argmax.gather(1, tree.parent_slots())  # [bs, B]
+    matches = tree.tokens == predicted_at_parent
+    accept_len, path = _accepted_path(tree, matches)
+    bonus = target_argmax.gather(1, _deepest_slot(accept_len, path).unsqueeze(1)).squeeze(1)
+    return AcceptResult(accept_len, bonus, path, _committed_tokens(tree, accept_len, path, bonus))
+
+
+def _per_row(value: torch.Tensor | float | int, bs: int, dtype, device) -> torch.Tensor:
+    """Broadcast a scalar or ``[bs]`` sampling parameter to a ``[bs, 1]`` tensor."""
+    return torch.as_tensor(value, dtype=dtype, device=device).expand(bs).reshape(bs, 1)
+
+
+def target_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """The target's sampling distribution, as SGLang's sampler defines it.
+
+    ``softmax(logits / temperature)``; top-k keeps the ``top_k`` most probable tokens
+    (``top_k <= 0`` or ``>= V``: all); top-p drops a token when the probability mass sorted
+    strictly before it already exceeds ``top_p`` (computed before the top-k cut, as SGLang does);
+    then renormalise. ``temperature <= 0`` means greedy: a one-hot at the argmax.
+
+    Args:
+        logits: ``[bs, N, V]`` (N slots per request) or ``[bs, V]``.
+        temperature, top_k, top_p: scalars or ``[bs]`` per-request values.
+
+    Returns:
+        float32 probabilities of the shape of ``logits``.
+    """
+    squeeze = logits.dim() == 2
+    if squeeze:
+        logits = logits.unsqueeze(1)
+    bs, _, vocab = logits.shape
+    device = logits.device
+    temp = _per_row(temperature, bs, torch.float32, device).view(bs, 1, 1)
+    k = _per_row(top_k, bs, torch.long, device).view(bs, 1, 1)
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    p = _per_row(top_p, bs, torch.float32, device).view(bs, 1, 1)
+
+    greedy = temp <= 0
+    scaled = logits.float() / torch.where(greedy, 1.0, temp)
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    rank = torch.arange(vocab, device=device).view(1, 1, vocab)
+    keep = (rank < k) & (mass_before <= p)
+    sorted_probs = torch.where(keep, sorted_probs, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, sorted_ids, sorted_probs)
+    filtered = filtered / filtered.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    out = torch.where(greedy, one_hot, filtered)
+    return out.squeeze(1) if squeeze else out
+
+
+def _first_passing_child(groups: SiblingGroups, passes: torch.Tensor) -> torch.Tensor:
+    """``[bs, D]`` bool: the slot passes its coin and no earlier sibling did."""
+    passes_in_order = passes.gather(1, groups.order).to(torch.long)
+    earlier = groups.exclusive_cumsum(passes_in_order)
+    first_in_order = (passes_in_order > 0) & (earlier == 0)
+    return torch.zeros_like(passes).scatter_(1, groups.order, first_in_order)
+
+
+def _sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw. ``probs`` ``[bs, V]`` (any positive scale), ``uniform`` ``[bs]``."""
+    cdf = probs.double().cumsum(dim=1)
+    threshold = (uniform.double() * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+    return index.clamp_max(probs.shape[1] - 1)
+
+
+def sample_accept(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+    *,
+    uniforms: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampledAcceptResult:
+    """Lossless acceptance under the target's sampling rule.
+
+    Args:
+        tree: ``[bs, B]`` draft trees (deterministic drafts, distinct sibling tokens).
+        target_logits: ``[bs, B + 1, V]`` target logits at every window slot.
+        temperature, top_k, top_p: scalars or ``[bs]``; see :func:`target_probs`. A request
+            with ``temperature <= 0`` is accepted greedily (its distribution is one-hot).
+        uniforms: optional ``[bs, B + 1]`` coins in [0, 1): one per node, the last one for the
+            bonus draw. Drawn from ``generator`` when omitted.
+
+    Returns:
+        A :class:`SampledAcceptResult`: the committed tokens follow the target's distribution
+        exactly, whatever the draft.
+    """
+    bs, budget = tree.batch_size, tree.budget
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (bs, budget + 1):
+        raise ValueError(
+            f"target_logits must be [bs, budget + 1, V] with bs={bs}, budget={budget}; "
+            f"got {tuple(target_logits.shape)}"
+        )
+    if uniforms is None:
+        uniforms = torch.rand(bs, budget + 1, generator=generator, device=tree.device)
+    elif uniforms.shape != (bs, budget + 1):
+        raise ValueError(f"uniforms must be [bs, budget + 1], got {tuple(uniforms.shape)}")
+    vocab = target_logits.shape[2]
+    probs = target_probs(target_logits, temperature, top_k, top_p)  # [bs, D, V]
+    parents = tree.parent_slots()
+
+    # p(token of node i) under its parent's distribution, and the mass of its earlier siblings.
+    node_prob = probs.flatten(1).gather(1, parents * vocab + tree.tokens).double()  # [bs, B]
+    node_prob = torch.where(tree.valid, node_prob, 0.0)
+    groups = group_siblings(slot_parents(tree), window_valid(tree))
+    window_prob = torch.cat([node_prob.new_zeros(bs, 1), node_prob], dim=1)  # [bs, D]
+    earlier_mass = torch.zeros_like(window_prob).scatter_(
+        1, groups.order, groups.exclusive_cumsum(window_prob.gather(1, groups.order))
+    )[:, 1:]
+    remaining = (1.0 - earlier_mass).clamp_min(0.0)
+    accept_prob = torch.where(remaining > 0, node_prob / remaining, 0.0).clamp(0.0, 1.0)
+
+    passes = torch.cat(
+        [
+            torch.zeros(bs, 1, dtype=torch.bool, device=tree.device),
+            uniforms[:, :budget].double() < accept_prob,
+        ],
+        dim=1,
+    )
+    taken = _first_passing_child(groups, passes)[:, 1:]
+    accept_len, path = _accepted_path(tree, taken)
+    bonus_probs = _bonus_residual(tree, probs, _deepest_slot(accept_len, path))
+    bonus = _sample_from(bonus_probs, uniforms[:, budget])
+    return SampledAcceptResult(
+        accept_len=accept_len,
+        bonus=bonus,
+        accepted_slots=path,
+        committed_tokens=_committed_tokens(tree, accept_len, path, bonus),
+        node_accept_prob=accept_prob,
+        bonus_probs=bonus_probs,
+    )
+
+
+def _bonus_residual(tree: DraftTree, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[bs, V]`` target distribution at ``slot`` with its children's tokens removed.
+
+    The walk stopped at ``slot``, so every child of it was tried and rejected.
+    """
+    bs, _, vocab = probs.shape
+    base = probs.gather(1, slot.view(bs, 1, 1).expand(bs, 1, vocab)).squeeze(1)  # [bs, V]
+    child = tree.valid & (tree.parent_slots() == slot.unsqueeze(1))
+    drop = torch.zeros(bs, vocab + 1, dtype=torch.bool, device=probs.device)
+    drop.scatter_(1, torch.where(child, tree.tokens, vocab), True)
+    residual = torch.where(drop[:, :vocab], 0.0, base)
+    total = residual.sum(dim=1, keepdim=True)
+    # A zero residual only arises from rounding (the children held all the mass yet were
+    # rejected); fall back to the slot's distribution rather than divide by zero.
+    return torch.where(total > 0, residual / total.clamp_min(1e-30), base)

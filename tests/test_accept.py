@@ -1,0 +1,297 @@
+"""Acceptance: greedy against a naive walk; sampling exact by enumeration on tiny vocabularies."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from tree_helpers import random_marginals
+
+from sglang_tree_spec.tree import (
+    build_ddtree,
+    build_verify_layout,
+    greedy_accept,
+    sample_accept,
+    target_probs,
+)
+
+# ---------------------------------------------------------------------------- greedy
+
+
+def naive_greedy_walk(layout, target_argmax, b: int) -> list[int]:
+    """SGLang's verify walk over the EAGLE retrieve arrays; returns the accepted slots."""
+    slots, cur = [0], 0
+    while True:
+        child = layout.retrieve_next_token[b, cur].item()
+        while child != -1 and layout.tokens[b, child].item() != target_argmax[b, cur].item():
+            child = layout.retrieve_next_sibling[b, child].item()
+        if child == -1:
+            return slots
+        slots.append(child)
+        cur = child
+
+
+def check_greedy(tree, target_argmax):
+    bs = tree.batch_size
+    layout = build_verify_layout(tree, torch.zeros(bs, dtype=torch.long), torch.zeros(bs))
+    result = greedy_accept(tree, target_argmax)
+    for b in range(bs):
+        slots = naive_greedy_walk(layout, target_argmax, b)
+        n = len(slots) - 1
+        assert result.accept_len[b].item() == n
+        assert result.accepted_slots[b, : n + 1].tolist() == slots
+        assert (result.accepted_slots[b, n + 1 :] == -1).all()
+        bonus = target_argmax[b, slots[-1]].item()
+        assert result.bonus[b].item() == bonus
+        assert result.deepest_slot[b].item() == slots[-1]
+        tokens = [layout.tokens[b, s].item() for s in slots[1:]] + [bonus]
+        assert result.committed_tokens[b, : n + 1].tolist() == tokens
+        assert (result.committed_tokens[b, n + 1 :] == -1).all()
+    return result
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_matches_naive_walk_on_planted_paths(seed):
+    """Targets that follow a random tree path for a random number of steps, then diverge."""
+    bs, depth, budget = 4, 8, 48
+    lp, tok = random_marginals(bs, depth, 4, vocab=12, seed=seed, sharpness=1.0)
+    tree = build_ddtree(lp, tok, budget)
+    gen = torch.Generator().manual_seed(seed)
+    target_argmax = torch.randint(0, 12, (bs, budget + 1), generator=gen)
+    for b in range(bs):
+        # Plant a path: from the root, repeatedly pick a random child and make the target
+        # predict its token at the parent.
+        cur, steps = 0, int(torch.randint(0, depth + 1, (1,), generator=gen))
+        for _ in range(steps):
+            children = [i + 1 for i in range(budget) if tree.parents[b, i].item() + 1 == cur]
+            if not children:
+                break
+            nxt = children[int(torch.randint(0, len(children), (1,), generator=gen))]
+            target_argmax[b, cur] = tree.tokens[b, nxt - 1]
+            cur = nxt
+    result = check_greedy(tree, target_argmax)
+    assert result.accept_len.max().item() > 0
+
+
+def test_greedy_full_depth_and_no_acceptance():
+    lp = torch.zeros(1, 3, 1)  # a single certain chain 5 -> 6 -> 7
+    tok = torch.tensor([[[5], [6], [7]]])
+    tree = build_ddtree(lp, tok, 3)
+    full = check_greedy(tree, torch.tensor([[5, 6, 7, 9]]))
+    assert full.accept_len.item() == 3 and full.bonus.item() == 9
+    assert full.committed_tokens.tolist() == [[5, 6, 7, 9]]
+    none = check_greedy(tree, torch.tensor([[4, 6, 7, 9]]))
+    assert none.accept_len.item() == 0 and none.bonus.item() == 4
+    assert none.committed_tokens.tolist() == [[4, -1, -1, -1]]
+
+
+def test_greedy_never_accepts_padding():
+    lp, tok = random_marginals(2, 2, 2, vocab=6, seed=3)
+    tok = tok + 1  # no real node carries token 0, the padding token
+    tree = build_ddtree(lp, tok, 9)  # 6 real nodes, 3 padding slots with token 0
+    result = check_greedy(tree, torch.zeros(2, 10, dtype=torch.long))
+    assert result.accept_len.tolist() == [0, 0]
+
+
+def test_greedy_rejects_bad_shape():
+    tree = build_ddtree(*random_marginals(2, 3, 2, vocab=6, seed=0), 4)
+    with pytest.raises(ValueError, match="budget"):
+        greedy_accept(tree, torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """Independent target distribution: SGLang's sampler rules on one logit vector."""
+    if temperature <= 0:
+        out = np.zeros_like(logits, dtype=np.float64)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = np.zeros(len(p), dtype=bool)
+    mass = 0.0
+    for rank, i in enumerate(order):
+        if (top_k <= 0 or rank < top_k) and mass <= top_p:
+            keep[i] = True
+        mass += p[i]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+# (temperature, top_k, top_p)
+SAMPLING = [
+    (1.0, 0, 1.0),
+    (0.7, 0, 0.9),
+    (1.3, 3, 1.0),
+    (0.5, 2, 0.8),
+    (1.0, 0, 0.5),
+    (0.0, 0, 1.0),
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SAMPLING)
+def test_target_probs_matches_reference(temperature, top_k, top_p):
+    logits = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1)) * 2
+    probs = target_probs(logits, temperature, top_k, top_p)
+    for b, s in itertools.product(range(3), range(4)):
+        expected = reference_probs(logits[b, s].numpy(), temperature, top_k, top_p)
+        np.testing.assert_allclose(probs[b, s].numpy(), expected, atol=1e-6)
+
+
+def ideal_step_distribution(tree, slot_probs: np.ndarray, b: int) -> dict[tuple, float]:
+    """Exact law of the tokens one step commits if the target sampled alone.
+
+    From the root: draw x ~ p(node); if x is a child of the node, move there and go on; else
+    x is the bonus and the step ends. (Sampling from the target token by token, cut at the
+    first token that leaves the tree.)
+    """
+    children: dict[int, dict[int, int]] = defaultdict(dict)
+    for i in range(tree.budget):
+        if tree.valid[b, i]:
+            children[tree.parents[b, i].item() + 1][tree.tokens[b, i].item()] = i + 1
+    out: dict[tuple, float] = defaultdict(float)
+
+    def walk(slot: int, prefix: tuple, weight: float) -> None:
+        for token, p in enumerate(slot_probs[slot]):
+            if p == 0:
+                continue
+            if token in children[slot]:
+                walk(children[slot][token], (*prefix, token), weight * p)
+            else:
+                out[(*prefix, token)] += weight * p
+
+    walk(0, (), 1.0)
+    return out
+
+
+def enumerated_step_distribution(tree, logits, temperature, top_k, top_p, b: int):
+    """Exact law of sample_accept's output: enumerate every node coin outcome.
+
+    A node coin u either passes (u = 0) or fails (u just below 1). The weight of an outcome
+    multiplies the implementation's own acceptance probabilities; the bonus contributes its
+    reported residual. Wrong probabilities or wrong wiring both change the law.
+    """
+    budget = tree.budget
+    out: dict[tuple, float] = defaultdict(float)
+    just_below_one = np.nextafter(1.0, 0.0)
+    for outcome in itertools.product([True, False], repeat=budget):
+        uniforms = torch.tensor(
+            [[0.0 if passed else just_below_one for passed in outcome] + [0.5]],
+            dtype=torch.float64,
+        )
+        row = slice(b, b + 1)
+        sub = type(tree)(
+            tree.tokens[row],
+            tree.parents[row],
+            tree.depths[row],
+            tree.logprobs[row],
+            tree.valid[row],
+            tree.max_depth,
+        )
+        params = [x[row] if torch.is_tensor(x) else x for x in (temperature, top_k, top_p)]
+        res = sample_accept(sub, logits[row], *params, uniforms=uniforms)
+        accept_prob = res.node_accept_prob[0].double().numpy()
+        weight = float(np.prod(np.where(outcome, accept_prob, 1.0 - accept_prob)))
+        if weight == 0.0:
+            continue
+        n = res.accept_len.item()
+        path = tuple(res.committed_tokens[0, :n].tolist())
+        for token, p in enumerate(res.bonus_probs[0].double().numpy()):
+            if p > 0:
+                out[(*path, token)] += weight * p
+    return out
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SAMPLING)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampling_is_exact_by_enumeration(temperature, top_k, top_p, seed):
+    vocab, budget = 5, 6
+    lp, tok = random_marginals(2, 3, 3, vocab=vocab, seed=seed, sharpness=1.0)
+    tree = build_ddtree(lp, tok, budget)
+    gen = torch.Generator().manual_seed(100 + seed)
+    logits = torch.randn(2, budget + 1, vocab, generator=gen) * 1.5
+    # Make the target agree with the draft sometimes so deep paths carry mass.
+    logits[:, 0].scatter_add_(1, tree.tokens[:, :1], torch.full((2, 1), 5.0))
+    for b in range(2):
+        slot_probs = np.stack(
+            [
+                reference_probs(logits[b, s].numpy(), temperature, top_k, top_p)
+                for s in range(budget + 1)
+            ]
+        )
+        ideal = ideal_step_distribution(tree, slot_probs, b)
+        got = enumerated_step_distribution(tree, logits, temperature, top_k, top_p, b)
+        assert sum(got.values()) == pytest.approx(1.0, abs=1e-6)
+        for key in set(ideal) | set(got):
+            assert got.get(key, 0.0) == pytest.approx(ideal.get(key, 0.0), abs=1e-6), key
+        # The first committed token follows the target's distribution at the root.
+        first = np.zeros(vocab)
+        for key, p in got.items():
+            first[key[0]] += p
+        np.testing.assert_allclose(first, slot_probs[0], atol=1e-6)
+        if temperature > 0:
+            assert max(len(k) for k, p in got.items() if p > 1e-9) >= 2  # trees were used
+
+
+def test_per_request_sampling_parameters():
+    """One batch mixing greedy and sampled requests: each row follows its own rule."""
+    vocab, budget = 4, 5
+    lp, tok = random_marginals(2, 2, 3, vocab=vocab, seed=7, sharpness=1.0)
+    tree = build_ddtree(lp, tok, budget)
+    logits = torch.randn(2, budget + 1, vocab, generator=torch.Generator().manual_seed(3))
+    temps, top_ks, top_ps = torch.tensor([0.0, 0.8]), torch.tensor([0, 2]), torch.tensor([1, 0.9])
+    for b in range(2):
+        params = (temps[b].item(), int(top_ks[b]), top_ps[b].item())
+        slot_probs = np.stack(
+            [reference_probs(logits[b, s].numpy(), *params) for s in range(budget + 1)]
+        )
+        ideal = ideal_step_distribution(tree, slot_probs, b)
+        got = enumerated_step_distribution(tree, logits, temps, top_ks, top_ps, b)
+        for key in set(ideal) | set(got):
+            assert got.get(key, 0.0) == pytest.approx(ideal.get(key, 0.0), abs=1e-6)
+
+
+def test_zero_temperature_sampling_is_greedy():
+    lp, tok = random_marginals(3, 6, 4, vocab=10, seed=2)
+    tree = build_ddtree(lp, tok, 30)
+    logits = torch.randn(3, 31, 10, generator=torch.Generator().manual_seed(0))
+    # Plant agreement at the root so acceptance is non-trivial.
+    logits[:, 0].scatter_(1, tree.tokens[:, :1], 10.0)
+    greedy = greedy_accept(tree, logits.argmax(-1))
+    for seed in range(3):
+        sampled = sample_accept(tree, logits, 0.0, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(sampled.committed_tokens, greedy.committed_tokens)
+        assert torch.equal(sampled.accepted_slots, greedy.accepted_slots)
+    assert greedy.accept_len.min().item() >= 1
+
+
+def test_bonus_draw_follows_the_residual():
+    """Sweep the bonus coin over a fine grid: token frequencies equal the residual."""
+    lp, tok = random_marginals(1, 2, 2, vocab=6, seed=4)
+    tree = build_ddtree(lp, tok, 3)
+    logits = torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(9))
+    grid = 4000
+    counts = np.zeros(6)
+    residual = None
+    for j in range(grid):
+        uniforms = torch.tensor([[0.999999] * 3 + [(j + 0.5) / grid]], dtype=torch.float64)
+        res = sample_accept(tree, logits, 1.0, uniforms=uniforms)
+        assert res.accept_len.item() == 0 or res.node_accept_prob.max() > 0.999999
+        counts[res.bonus.item()] += 1
+        residual = res.bonus_probs[0].numpy()
+    np.testing.assert_allclose(counts / grid, residual, atol=1.0 / grid + 1e-6)
+
+
+def test_sampling_rejects_bad_shapes():
+    tree = build_ddtree(*random_marginals(2, 3, 2, vocab=6, seed=0), 4)
+    with pytest.raises(ValueError, match="target_logits"):
+        sample_accept(tree, torch.zeros(2, 4, 6), 1.0)
+    with pytest.raises(ValueError, match="uniforms"):
+        sample_accept(tree, torch.zeros(2, 5, 6), 1.0, uniforms=torch.rand(2, 4))
