@@ -172,15 +172,23 @@ def _candidate_pairs(
     return table[0].to(device), table[1].to(device)
 
 
-def _depth_beams(lp: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _depth_beams(
+    lp: torch.Tensor, budget: int, stop_early: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The B best prefixes of every depth, each beam sorted descending.
 
     Args:
         lp: ``[bs, L, k]`` finite log-probs sorted descending, ``k <= budget``.
+        stop_early: skip the remaining depths once no deeper prefix can enter the answer: in
+            every row the best next-depth score is at most the B-th best score found so far
+            (B shallower entries then win, ties included). Reading that condition is a host
+            synchronisation, so only host tensors use it; without it the loop has fixed
+            shapes and never synchronises.
 
     Returns:
-        ``scores`` ``[bs, L*B]``: depth-major beam scores, -inf where a depth has fewer than B
-        prefixes; ``picked`` ``[bs, (L-1)*B]``: for beams of depth >= 2, the index into
+        ``scores`` ``[bs, L'*B]``: depth-major beam scores of the L' <= L computed depths
+        (L' = L unless stopped early), -inf where a depth has fewer than B prefixes;
+        ``picked`` ``[bs, max(L'-1, 1)*B]``: for beams of depth >= 2, the index into
         :func:`_candidate_pairs` of each entry's (parent beam position, token rank).
     """
     bs, depth_count, k = lp.shape
@@ -188,12 +196,19 @@ def _depth_beams(lp: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Ten
     first[:, :k] = lp[:, 0, :]
     scores, picked = [first], []
     cand_parent, cand_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
+    kept = first  # [bs, B] the B best scores over the depths so far (unordered)
     for d in range(1, depth_count):
+        if stop_early:
+            best_next = scores[-1][:, 0] + lp[:, d, 0]
+            if bool((best_next <= kept.min(dim=1).values).all()):
+                break
         candidates = scores[-1].index_select(1, cand_parent) + lp[:, d].index_select(1, cand_rank)
         beam, index = torch.topk(candidates, budget, dim=1, sorted=True)  # [bs, B]
         scores.append(beam)  # extensions of -inf padding stay -inf
         picked.append(index)
-    if not picked:
+        if stop_early:
+            kept = torch.topk(torch.cat([kept, beam], dim=1), budget, dim=1, sorted=False).values
+    if not picked:  # a single depth: keep one block so that gathers stay in range
         picked.append(torch.zeros(bs, budget, dtype=torch.long, device=lp.device))
     return torch.cat(scores, dim=1), torch.cat(picked, dim=1)
 
@@ -212,10 +227,10 @@ def _select_best_first(scores: torch.Tensor, budget: int) -> torch.Tensor:
     n = scores.shape[1]
     # Unique int64 keys ordered like (score desc, index asc): the float32 bits mapped to an
     # order-preserving int32, then the reversed index in the low 32 bits. No stable sort needed.
-    bits = scores.contiguous().view(torch.int32)
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0: equal scores tie
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     reverse_index = (n - 1) - torch.arange(n, device=scores.device)
-    keys = (ordered << 32) | reverse_index
+    keys = ordered * (1 << 32) + reverse_index  # low 32 bits of ordered * 2**32 are zero
     best = torch.topk(keys, budget, dim=1, sorted=False).indices  # [bs, budget]
     is_real = scores.gather(1, best) > float("-inf")
     bfs_key = torch.where(is_real, best, best + n)
@@ -251,7 +266,8 @@ def build_ddtree(
     k = min(k_all, budget)
     lp = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR)  # [bs, L, k] finite
 
-    beam_scores, picked = _depth_beams(lp, budget)  # [bs, L*B], [bs, (L-1)*B]
+    stop_early = lp.device.type == "cpu"  # host tensors: reading a flag costs nothing
+    beam_scores, picked = _depth_beams(lp, budget, stop_early)  # [bs, L'*B], [bs, (L'-1)*B]
     chosen = _select_best_first(beam_scores, budget)  # [bs, B] flat beam indices, BFS order
     depth0 = chosen // budget  # 0-based depth
     beam_pos = chosen % budget
@@ -318,13 +334,14 @@ def build_ddtree_reference(
     budget: int,
     *,
     vocab_size: int | None = None,
+    validate: bool = True,
 ) -> DraftTree:
     """The paper's best-first heap (Algorithm 1), per request on the host.
 
     Same contract and output layout as :func:`build_ddtree` (breadth-first; within a depth,
     nodes by score descending); used as the test oracle and the benchmark baseline.
     """
-    _check_topk_inputs(topk_logprobs, topk_tokens, budget, vocab_size, check_values=True)
+    _check_topk_inputs(topk_logprobs, topk_tokens, budget, vocab_size, validate)
     bs, depth_count, k_all = topk_logprobs.shape
     k = min(k_all, budget)
     lp_all = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR).cpu().numpy()
