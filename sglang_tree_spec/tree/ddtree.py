@@ -180,8 +180,8 @@ def _depth_beams(
     Args:
         lp: ``[bs, L, k]`` finite log-probs sorted descending, ``k <= budget``.
         stop_early: skip the remaining depths once no deeper prefix can enter the answer: in
-            every row the best next-depth score is at most the B-th best score found so far
-            (B shallower entries then win, ties included). Reading that condition is a host
+            every row the best next-depth score is at most the last entry of some full beam
+            (whose B shallower entries then win, ties included). Reading that condition is a host
             synchronisation, so only host tensors use it; without it the loop has fixed
             shapes and never synchronises.
 
@@ -196,18 +196,15 @@ def _depth_beams(
     first[:, :k] = lp[:, 0, :]
     scores, picked = [first], []
     cand_parent, cand_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
-    kept = first  # [bs, B] the B best scores over the depths so far (unordered)
+    floor = first[:, -1]  # [bs] a B-th best score so far: the worst entry of a full beam
     for d in range(1, depth_count):
-        if stop_early:
-            best_next = scores[-1][:, 0] + lp[:, d, 0]
-            if bool((best_next <= kept.min(dim=1).values).all()):
-                break
+        if stop_early and bool((scores[-1][:, 0] + lp[:, d, 0] <= floor).all()):
+            break
         candidates = scores[-1].index_select(1, cand_parent) + lp[:, d].index_select(1, cand_rank)
         beam, index = torch.topk(candidates, budget, dim=1, sorted=True)  # [bs, B]
         scores.append(beam)  # extensions of -inf padding stay -inf
         picked.append(index)
-        if stop_early:
-            kept = torch.topk(torch.cat([kept, beam], dim=1), budget, dim=1, sorted=False).values
+        floor = torch.maximum(floor, beam[:, -1])
     if not picked:  # a single depth: keep one block so that gathers stay in range
         picked.append(torch.zeros(bs, budget, dtype=torch.long, device=lp.device))
     return torch.cat(scores, dim=1), torch.cat(picked, dim=1)
