@@ -1,0 +1,1 @@
+"""Model-building recipes (drafter training)."""

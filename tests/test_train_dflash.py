@@ -1,0 +1,243 @@
+"""DFlash training recipe: block masks, train/inference parity, learning and resuming."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from sglang_tree_spec.drafters import DFlashDrafter
+from sglang_tree_spec.models import train_dflash as train_module
+from sglang_tree_spec.models.train_dflash import (
+    TRAINER_STATE_NAME,
+    TrainConfig,
+    add_train_drafter_args,
+    block_attention_mask,
+    block_hidden,
+    block_labels,
+    run_train_drafter,
+    train_dflash,
+    valid_anchor_positions,
+)
+
+VOCAB = 128
+BLOCK = 4
+PERIOD = 16
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("target")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return AutoModelForCausalLM.from_pretrained(target_dir).eval()
+
+
+def periodic_sequences(count: int, length: int, seed: int) -> list[list[int]]:
+    """Rotations of one fixed cycle of ``PERIOD`` distinct tokens: x_{t+1} is a function of x_t."""
+    generator = torch.Generator().manual_seed(seed)
+    cycle = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(123))[:PERIOD].tolist()
+    starts = torch.randint(PERIOD, (count,), generator=generator).tolist()
+    return [[cycle[(s + j) % PERIOD] for j in range(length)] for s in starts]
+
+
+def train_config(target_dir, out_dir, **overrides) -> TrainConfig:
+    kwargs = dict(
+        target=str(target_dir),
+        out_dir=str(out_dir),
+        data=periodic_sequences(32, 48, seed=0),
+        block_size=BLOCK,
+        num_layers=1,
+        steps=80,
+        batch_size=8,
+        seq_len=40,
+        lr=3e-3,
+        anchors_per_seq=8,
+        log_every=10,
+        save_every=1000,
+    )
+    kwargs.update(overrides)
+    return TrainConfig(**kwargs)
+
+
+def read_log(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_block_attention_mask_layout():
+    mask = block_attention_mask(torch.tensor([[2, 4]]), context_len=5, block_size=2)
+    expected = torch.tensor(
+        [
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask[0], expected)
+
+
+def test_anchors_and_labels_respect_loss_mask():
+    lengths = torch.tensor([8])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    valid = valid_anchor_positions(lengths, loss_mask, block_size=3)
+    assert valid[0].nonzero().flatten().tolist() == [3, 4, 5]
+    input_ids = torch.arange(10, 18)[None]
+    labels, weights = block_labels(
+        input_ids, loss_mask, torch.tensor([[2, 4]]), torch.tensor([[True, False]]), 3, gamma=7.0
+    )
+    assert labels.tolist() == [[[12, 13, 14], [14, 15, 16]]]
+    decay = torch.exp(torch.tensor(-1 / 7.0))
+    torch.testing.assert_close(weights[0, 0], torch.tensor([0.0, 1.0, decay.item()]))
+    assert weights[0, 1].sum() == 0  # dropped block
+
+
+def parity_setup(target, seed: int = 0):
+    drafter = DFlashDrafter.random_init(
+        target.config, num_layers=2, block_size=BLOCK, seed=seed, target_layer_ids=[0, 1]
+    )
+    input_ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        features = drafter.target_hidden_features(
+            target(input_ids, output_hidden_states=True).hidden_states
+        )
+    return drafter.eval(), input_ids, features
+
+
+def training_logits(target, drafter, features, input_ids, anchors) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = block_hidden(drafter, features, input_ids, anchors, target.get_input_embeddings())
+        return target.lm_head(hidden)
+
+
+def test_training_forward_matches_inference(target):
+    drafter, input_ids, features = parity_setup(target)
+    anchors = torch.tensor([[11, 3, 7]])
+    logits = training_logits(target, drafter, features, input_ids, anchors)
+    for n, anchor in enumerate(anchors[0].tolist()):
+        cache = drafter.new_cache(1)
+        cache.append(features[:, :anchor])
+        block = drafter.block_token_ids(input_ids[:, anchor])
+        inference = cache.draft_logits(block, target.get_input_embeddings(), target.lm_head)
+        torch.testing.assert_close(logits[:, n, 1:], inference)
+
+
+def test_blocks_are_isolated(target):
+    drafter, input_ids, features = parity_setup(target, seed=1)
+    anchors = torch.tensor([[5, 12]])
+    base = training_logits(target, drafter, features, input_ids, anchors)
+    changed_ids = input_ids.clone()
+    changed_ids[0, 12] = (changed_ids[0, 12] + 1) % VOCAB  # block 1's anchor token
+    changed = training_logits(target, drafter, features, changed_ids, anchors)
+    torch.testing.assert_close(changed[:, 0], base[:, 0])
+    assert not torch.allclose(changed[:, 1], base[:, 1])
+
+
+def test_blocks_see_only_context_before_anchor(target):
+    drafter, input_ids, features = parity_setup(target, seed=2)
+    anchors = torch.tensor([[8, 15]])
+    base = training_logits(target, drafter, features, input_ids, anchors)
+    later = features.clone()
+    later[:, 8:] = 1e3 * torch.randn_like(later[:, 8:])  # the anchor's own feature and after
+    torch.testing.assert_close(
+        training_logits(target, drafter, later, input_ids, anchors)[:, 0], base[:, 0]
+    )
+    earlier = features.clone()
+    earlier[:, 7] += 1.0
+    assert not torch.allclose(
+        training_logits(target, drafter, earlier, input_ids, anchors)[:, 0], base[:, 0]
+    )
+
+
+def test_training_reduces_loss_and_learns_slot1(target, target_dir, tmp_path):
+    out = train_dflash(train_config(target_dir, tmp_path))
+    log = read_log(out)
+    assert log[-1]["step"] == 80
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5, log
+    assert log[-1]["acc_slot1"] > 0.5, log  # chance is 1 / 128
+
+    drafter = DFlashDrafter.from_pretrained(out)  # inference path on held-out sequences
+    input_ids = torch.tensor(periodic_sequences(4, 24, seed=99))
+    with torch.no_grad():
+        out_states = target(input_ids, output_hidden_states=True).hidden_states
+    cache = drafter.new_cache(4)
+    cache.append(drafter.target_hidden_features(out_states)[:, :20])
+    block = drafter.block_token_ids(input_ids[:, 20])
+    _, token_ids = cache.draft_topk(block, target.get_input_embeddings(), target.lm_head, 1)
+    slot1_acc = (token_ids[:, 0, 0] == input_ids[:, 21]).float().mean().item()
+    assert slot1_acc >= 0.75
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_continues_from_saved_step(target_dir, tmp_path, monkeypatch):
+    """A run stopped right after its step-3 checkpoint resumes at step 4 and ends with the same
+    weights as an uninterrupted run (same batches, optimizer state and LR schedule)."""
+    straight = tmp_path / "straight"
+    train_dflash(train_config(target_dir, straight, steps=6, log_every=1))
+
+    resumed = tmp_path / "resumed"
+    cfg = train_config(target_dir, resumed, steps=6, log_every=1, save_every=3)
+    original_save = train_module.save_checkpoint
+
+    def save_then_crash(drafter, optimizer, step, config):
+        original_save(drafter, optimizer, step, config)
+        raise Interrupted
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_crash)
+    with pytest.raises(Interrupted):
+        train_dflash(cfg)
+    monkeypatch.undo()
+    assert torch.load(resumed / TRAINER_STATE_NAME, weights_only=True)["step"] == 3
+    train_dflash(cfg)
+
+    assert [r["step"] for r in read_log(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert torch.load(resumed / TRAINER_STATE_NAME, weights_only=True)["step"] == 6
+    expected = load_file(str(straight / "model.safetensors"))
+    actual = load_file(str(resumed / "model.safetensors"))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value)
+
+
+def test_cli_trains_from_jsonl(target_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    records = [
+        {"input_ids": ids, "loss_mask": [0] * 8 + [1] * (len(ids) - 8)}
+        for ids in periodic_sequences(4, 32, seed=5)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    parser = argparse.ArgumentParser()
+    add_train_drafter_args(parser)
+    out = tmp_path / "drafter"
+    args = parser.parse_args(
+        [
+            *("--target", str(target_dir), "--out", str(out), "--data", str(data)),
+            *("--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "24"),
+            *("--log-every", "1", "--device", "cpu", "--gamma", "3"),
+        ]
+    )
+    assert run_train_drafter(args) == 0
+    assert len(read_log(out)) == 3
+    assert DFlashDrafter.from_pretrained(out).block_size == 4
