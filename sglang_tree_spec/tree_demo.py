@@ -13,7 +13,13 @@ import time
 
 import torch
 
-from sglang_tree_spec.tree import DraftTree, build_ddtree, greedy_accept, topk_from_logits
+from sglang_tree_spec.tree import (
+    DraftTree,
+    build_chain,
+    build_ddtree,
+    greedy_accept,
+    topk_from_logits,
+)
 
 DEPTH = 15
 VOCAB = 32_000
@@ -26,20 +32,6 @@ def embedded_marginals(seed: int = 0) -> torch.Tensor:
     logits = torch.randn(1, DEPTH, VOCAB, generator=gen)
     sharpness = torch.linspace(7.0, 3.5, DEPTH).view(1, DEPTH, 1)
     return logits * sharpness
-
-
-def chain_tree(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor) -> DraftTree:
-    """The DFlash baseline: one path of the top-1 token at every position."""
-    bs, depth, _ = topk_logprobs.shape
-    nodes = torch.arange(depth)
-    return DraftTree(
-        tokens=topk_tokens[:, :, 0],
-        parents=(nodes - 1).expand(bs, depth),
-        depths=(nodes + 1).expand(bs, depth),
-        logprobs=topk_logprobs[:, :, 0].cumsum(dim=1),
-        valid=torch.ones(bs, depth, dtype=torch.bool),
-        max_depth=depth,
-    )
 
 
 def simulated_tau(tree: DraftTree, logits: torch.Tensor, samples: int, seed: int) -> float:
@@ -93,7 +85,7 @@ def render(tree: DraftTree, max_lines: int = 24) -> list[str]:
 def run(budgets: tuple[int, ...] = (16, 64, 256), samples: int = 4000, seed: int = 0) -> None:
     logits = embedded_marginals(seed)
     topk_logprobs, topk_tokens = topk_from_logits(logits, TOPK)
-    chain = chain_tree(topk_logprobs, topk_tokens)
+    chain = build_chain(topk_logprobs, topk_tokens)
     chain_surrogate = 1.0 + float(chain.logprobs.exp().sum())
     chain_sim = simulated_tau(chain, logits, samples, seed)
     print(f"embedded draft marginals: L={DEPTH} positions, V={VOCAB}, top-K={TOPK}")

@@ -203,6 +203,27 @@ def _sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return index.clamp_max(probs.shape[1] - 1)
 
 
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+    *,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row from the target's sampling distribution (plain decoding).
+
+    Args:
+        logits: ``[bs, V]``.
+        uniforms: ``[bs]`` coins in [0, 1) for an inverse-CDF draw; ``temperature <= 0`` rows
+            return the argmax whatever the coin.
+
+    Returns:
+        ``[bs]`` int64 token ids.
+    """
+    return _sample_from(target_probs(logits, temperature, top_k, top_p), uniforms)
+
+
 def sample_accept(
     tree: DraftTree,
     target_logits: torch.Tensor,

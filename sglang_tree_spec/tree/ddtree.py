@@ -293,6 +293,30 @@ def build_ddtree(
     )
 
 
+def build_chain(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor) -> DraftTree:
+    """The DFlash baseline as a tree: one path of the top-1 token at every position.
+
+    Args:
+        topk_logprobs: ``[bs, L, K]`` sorted descending (only rank 0 is used).
+        topk_tokens: ``[bs, L, K]``.
+
+    Returns:
+        A :class:`DraftTree` of ``L`` nodes, node ``i`` at depth ``i + 1`` under node ``i - 1``.
+    """
+    if topk_logprobs.dim() != 3 or topk_tokens.shape != topk_logprobs.shape:
+        raise ValueError("topk_logprobs and topk_tokens must both be [bs, L, K]")
+    bs, depth, _ = topk_logprobs.shape
+    nodes = torch.arange(depth, device=topk_tokens.device)
+    return DraftTree(
+        tokens=topk_tokens[:, :, 0].to(torch.long),
+        parents=(nodes - 1).expand(bs, depth),
+        depths=(nodes + 1).expand(bs, depth),
+        logprobs=topk_logprobs[:, :, 0].float().cumsum(dim=1),
+        valid=torch.ones(bs, depth, dtype=torch.bool, device=topk_tokens.device),
+        max_depth=depth,
+    )
+
+
 def _heap_prefixes(lp: np.ndarray, budget: int) -> list[tuple[float, tuple[int, ...]]]:
     """Algorithm 1 (DDTree): the ``budget`` best rank tuples of one request's lattice.
 

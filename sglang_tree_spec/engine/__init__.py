@@ -1,0 +1,10 @@
+"""Reference engine on PyTorch + transformers: the oracle and the CPU path."""
+
+from sglang_tree_spec.engine.spec_engine import (
+    METHODS,
+    GenerationResult,
+    RequestStats,
+    SpecEngine,
+)
+
+__all__ = ["METHODS", "GenerationResult", "RequestStats", "SpecEngine"]

@@ -1,0 +1,206 @@
+"""Reference engine exactness: chain and DDTree against plain decoding and transformers."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from sglang_tree_spec.drafters import DFlashDrafter
+from sglang_tree_spec.engine import SpecEngine
+
+VOCAB = 96
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+
+
+def tiny_config(arch: str, vocab: int = VOCAB):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=vocab - 2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    return LlamaConfig(**common)
+
+
+def tiny_target(arch: str, seed: int = 0, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    # float64: argmax ties between a 1-token and a tree forward cannot flip greedy output.
+    return AutoModelForCausalLM.from_config(tiny_config(arch, vocab), dtype=torch.float64).eval()
+
+
+def random_drafter(target, block_size: int, seed: int = 1) -> DFlashDrafter:
+    drafter = DFlashDrafter.random_init(
+        target.config, num_layers=1, block_size=block_size, seed=seed
+    )
+    return drafter.double()
+
+
+def transformers_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def arch_target(request):
+    return request.param, tiny_target(request.param)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(arch_target):
+    _, target = arch_target
+    results = SpecEngine(target, method="ar").generate(PROMPTS, 24, stop_token_ids=[])
+    return [r.tokens for r in results]
+
+
+def test_ar_equals_transformers_generate(arch_target, ar_outputs):
+    _, target = arch_target
+    for prompt, tokens in zip(PROMPTS, ar_outputs, strict=True):
+        assert tokens == transformers_greedy(target, prompt, 24)
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize(
+    ("method", "budget"),
+    [("chain", 1), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)],
+)
+def test_greedy_speculation_equals_plain_decoding(
+    arch_target, ar_outputs, method, budget, block_size
+):
+    _, target = arch_target
+    drafter = random_drafter(target, block_size, seed=block_size + budget)
+    engine = SpecEngine(target, drafter, method=method, budget=budget)
+    batched = engine.generate(PROMPTS, 24, stop_token_ids=[])
+    assert [r.tokens for r in batched] == ar_outputs
+    alone = engine.generate(PROMPTS[:1], 24, stop_token_ids=[])
+    assert alone[0].tokens == ar_outputs[0]
+    for r in batched:
+        assert r.finish_reason == "length"
+        assert sum(r.stats.commit_lengths) >= 24
+        assert r.stats.steps == len(r.stats.commit_lengths) - 1
+
+
+# ------------------------------------------------------------ sampling
+
+
+def exact_two_token_law(target, prompt, temperature, top_p) -> dict[tuple[int, int], float]:
+    """P(first two generated tokens) of the target alone, by enumeration."""
+    from sglang_tree_spec.tree import target_probs
+
+    with torch.no_grad():
+        first = target_probs(target(torch.tensor([prompt])).logits[:, -1], temperature, 0, top_p)[0]
+        support = [t for t in range(first.shape[0]) if first[t] > 0]
+        batch = torch.tensor([[*prompt, t] for t in support])
+        second = target_probs(target(batch).logits[:, -1], temperature, 0, top_p)
+    return {
+        (a, b): float(first[a] * second[i, b])
+        for i, a in enumerate(support)
+        for b in range(second.shape[1])
+        if second[i, b] > 0
+    }
+
+
+def chi_square_p_small(counts: Counter, law: dict, n: int) -> tuple[float, float]:
+    """Pearson statistic over cells with expected count >= 5 (the rest pooled) and the 0.1%
+    critical value (Wilson-Hilferty approximation of the chi-square quantile)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, p in law.items():
+        expected = n * p
+        if expected >= 5:
+            stat += (counts.get(key, 0) - expected) ** 2 / expected
+            cells += 1
+        else:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += expected
+    unknown = sum(c for key, c in counts.items() if key not in law)
+    assert unknown == 0, "sampled a pair the target gives probability zero"
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    dof = cells - 1
+    z = 3.09  # one-sided 0.1%
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat, critical
+
+
+@pytest.mark.parametrize(
+    ("method", "top_p"), [("ar", 1.0), ("ddtree", 1.0), ("ddtree", 0.8), ("chain", 1.0)]
+)
+def test_sampling_follows_the_target_distribution(method, top_p):
+    vocab, n = 12, 3000
+    target = tiny_target("llama", seed=4, vocab=vocab)
+    with torch.no_grad():  # sharpen the target so drafts are accepted often
+        target.lm_head.weight.mul_(6.0)
+    drafter = random_drafter(target, block_size=4, seed=2)
+    prompt = [3, 7, 1]
+    engine = SpecEngine(target, drafter if method != "ar" else None, method=method, budget=8)
+    results = engine.generate(
+        [prompt] * n, 2, temperature=1.0, top_p=top_p, stop_token_ids=[], seed=1234
+    )
+    counts = Counter(tuple(r.tokens[:2]) for r in results)
+    stat, critical = chi_square_p_small(counts, exact_two_token_law(target, prompt, 1.0, top_p), n)
+    assert stat < critical, (stat, critical)
+    if method != "ar":
+        assert sum(r.stats.commit_lengths[1] > 1 for r in results) > n // 50  # drafts accepted
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    target = tiny_target("qwen3", seed=5)
+    engine = SpecEngine(target, random_drafter(target, 8), method="ddtree", budget=16)
+    kwargs = dict(temperature=0.7, top_p=0.9, stop_token_ids=[], seed=7)
+    a = engine.generate(PROMPTS, 16, **kwargs)
+    b = engine.generate(PROMPTS, 16, **kwargs)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    c = engine.generate(PROMPTS, 16, **{**kwargs, "seed": 8})
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+# ------------------------------------------------------------ bad input
+
+
+def test_bad_configuration_and_input_raise_clear_errors():
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        SpecEngine(target, method="ddtree")
+    with pytest.raises(ValueError, match="method"):
+        SpecEngine(target, method="beam")
+    other = tiny_target("qwen3", vocab=VOCAB + 4)
+    with pytest.raises(ValueError, match="vocab size mismatch"):
+        SpecEngine(target, random_drafter(other, 8), method="ddtree")
+    wide = AutoModelForCausalLM.from_config(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        SpecEngine(target, random_drafter(wide, 8), method="ddtree")
+    with pytest.raises(ValueError, match="out of range"):
+        DFlashDrafter.random_init(target.config, 1, 8, target_layer_ids=[9])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashDrafter.random_init(target.config, 1, 8, mask_token_id=VOCAB + 1)
+    engine = SpecEngine(target, random_drafter(target, 8), method="ddtree", budget=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, VOCAB]], 4)
+    with pytest.raises(ValueError, match="budget"):
+        SpecEngine(target, random_drafter(target, 8), method="ddtree", budget=0)
