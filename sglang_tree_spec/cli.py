@@ -16,6 +16,37 @@ def _tree_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from sglang_tree_spec.engine import SpecEngine
+    from sglang_tree_spec.engine.loading import load_drafter, load_target, resolve_device
+    from sglang_tree_spec.engine.report import format_stats
+
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_target(args.target, device, dtype)
+    drafter = None
+    if args.method != "ar":
+        if args.drafter is None:
+            raise ValueError(f"--method {args.method} needs --drafter")
+        drafter = load_drafter(args.drafter, device, dtype)
+    engine = SpecEngine(target, drafter, method=args.method, budget=args.budget, topk=args.topk)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in args.prompt]
+    results = engine.generate(
+        prompts,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    for text, result in zip(args.prompt, results, strict=True):
+        print(text + tokenizer.decode(result.tokens))
+        print(format_stats(result))
+    return 0
+
+
 def _train_drafter(args: argparse.Namespace) -> int:
     from sglang_tree_spec.models.train_dflash import run_train_drafter
 
@@ -38,6 +69,22 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=4000, help="simulated verify steps")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_tree_demo)
+
+    gen = commands.add_parser("generate", help="generate with ar, chain or ddtree; print stats")
+    gen.add_argument("--target", required=True, help="transformers target model directory")
+    gen.add_argument("--drafter", help="DFlash drafter directory (chain, ddtree)")
+    gen.add_argument("--method", choices=["ar", "chain", "ddtree"], default="ddtree")
+    gen.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    gen.add_argument("--topk", type=int, default=None, help="tokens per drafted position")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.set_defaults(handler=_generate)
 
     models = commands.add_parser("models", help="model zoo: drafter training")
     model_commands = models.add_subparsers(dest="models_command", required=True)

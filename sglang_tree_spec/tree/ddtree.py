@@ -366,27 +366,24 @@ def build_ddtree_reference(
     bs, depth_count, k_all = topk_logprobs.shape
     k = min(k_all, budget)
     lp_all = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR).cpu().numpy()
-    tok_all = topk_tokens[..., :k].cpu().numpy()
-    out = {
-        "tokens": np.zeros((bs, budget), dtype=np.int64),
-        "parents": np.full((bs, budget), -1, dtype=np.int64),
-        "depths": np.ones((bs, budget), dtype=np.int64),
-        "logprobs": np.full((bs, budget), -np.inf, dtype=lp_all.dtype),
-        "valid": np.zeros((bs, budget), dtype=bool),
-    }
+    tok_all = topk_tokens[..., :k].tolist()
+    names = ("tokens", "parents", "depths", "logprobs", "valid")
+    rows: dict[str, list[list]] = {name: [] for name in names}
     for b in range(bs):
         popped = _heap_prefixes(lp_all[b], budget)
         # Breadth-first: by depth, then by pop order (score descending, stable).
-        bfs = sorted(range(len(popped)), key=lambda i: (len(popped[i][1]), i))
-        index_of = {popped[i][1]: n for n, i in enumerate(bfs)}
-        for n, i in enumerate(bfs):
-            score, ranks = popped[i]
-            depth = len(ranks)
-            out["tokens"][b, n] = tok_all[b, depth - 1, ranks[-1]]
-            out["parents"][b, n] = index_of[ranks[:-1]] if depth > 1 else -1
-            out["depths"][b, n] = depth
-            out["logprobs"][b, n] = score
-            out["valid"][b, n] = True
+        bfs = sorted(popped, key=lambda entry: len(entry[1]))
+        index_of = {ranks: n for n, (_, ranks) in enumerate(bfs)}
+        pad = budget - len(bfs)
+        rows["tokens"].append([tok_all[b][len(r) - 1][r[-1]] for _, r in bfs] + [0] * pad)
+        rows["parents"].append([index_of.get(r[:-1], -1) for _, r in bfs] + [-1] * pad)
+        rows["depths"].append([len(r) for _, r in bfs] + [1] * pad)
+        rows["logprobs"].append([score for score, _ in bfs] + [float("-inf")] * pad)
+        rows["valid"].append([True] * len(bfs) + [False] * pad)
+    dtypes = {"logprobs": torch.float32, "valid": torch.bool}
     device = topk_logprobs.device
-    tensors = {name: torch.from_numpy(arr).to(device) for name, arr in out.items()}
+    tensors = {
+        name: torch.tensor(rows[name], dtype=dtypes.get(name, torch.long), device=device)
+        for name in names
+    }
     return DraftTree(**tensors, max_depth=depth_count)
