@@ -1,0 +1,240 @@
+"""Start-up validation and defaults of DDTREE server arguments.
+
+SGLang calls :func:`validate_server_args` (registered as ``validate_server_args=`` of the
+algorithm) from ``ServerArgs.__post_init__``, after the device, attention backend and page size
+are resolved and before the algorithm's ``handle_server_args`` (:func:`apply_defaults`). Every
+refused configuration raises :class:`DDTreeConfigError` with one line that names the flag.
+
+The tree budget is ``--speculative-num-draft-tokens`` minus one (the root is the bonus token);
+the draft block size comes from the drafter's config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, Qwen3Config
+
+from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "DDTREE"
+MIN_BUDGET = 1
+MAX_BUDGET = 1024
+# Attention backends whose verify path the DDTREE worker targets, per device: triton and
+# flashinfer honour a custom tree mask in TARGET_VERIFY on CUDA; on CPU the plugin supplies
+# a verify-capable torch backend behind torch_native.
+SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "flashinfer"),
+    "cpu": ("torch_native",),
+}
+SUPPORTED_PAGE_SIZES = (1,)
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTREE configuration SGLang must refuse at start-up (one-line message)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{ALGORITHM}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no mutation)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_server_args(server_args: Any) -> None:
+    """Refuse a configuration DDTREE cannot serve; cheap checks first, the drafter last."""
+    check_draft_model_path(server_args.speculative_draft_model_path)
+    check_budget(server_args.speculative_num_draft_tokens)
+    check_topk(getattr(server_args, "speculative_ddtree_topk", None))
+    view = _resolved(server_args)
+    check_device(view.device)
+    check_attention_backends(view.device, *_attention_backends(view))
+    check_page_size(view.page_size)
+    check_parallelism(view.pp_size, bool(view.enable_dp_attention))
+    drafter = load_drafter(
+        server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
+    )
+    check_drafter_matches_target(drafter, server_args.get_model_config().hf_config)
+    check_block_size(drafter, server_args.speculative_dflash_block_size)
+
+
+def check_draft_model_path(path: str | None) -> None:
+    """A DFlash drafter is required."""
+    if not path:
+        raise DDTreeConfigError(
+            "--speculative-draft-model-path is required (a DFlash drafter checkpoint)"
+        )
+
+
+def check_budget(num_draft_tokens: int | None) -> None:
+    """Budget = num_draft_tokens - 1 must lie in [MIN_BUDGET, MAX_BUDGET] (None: default)."""
+    if num_draft_tokens is None:
+        return
+    budget = int(num_draft_tokens) - 1
+    if not MIN_BUDGET <= budget <= MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"tree budget {budget} (--speculative-num-draft-tokens {num_draft_tokens} minus the "
+            f"root) is out of range [{MIN_BUDGET}, {MAX_BUDGET}]"
+        )
+
+
+def check_topk(topk: int | None) -> None:
+    """``--speculative-ddtree-topk`` caps the draft top-K per depth; it must be positive."""
+    if topk is not None and int(topk) < 1:
+        raise DDTreeConfigError(f"--speculative-ddtree-topk must be >= 1, got {topk}")
+
+
+def check_device(device: str) -> None:
+    """DDTREE serves on CUDA and on CPU."""
+    if device not in SUPPORTED_ATTENTION_BACKENDS:
+        raise DDTreeConfigError(
+            f"device {device!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ATTENTION_BACKENDS)})"
+        )
+
+
+def check_attention_backends(device: str, prefill: str | None, decode: str | None) -> None:
+    """Prefill and decode attention backends must be ones the tree verify runs on."""
+    supported = SUPPORTED_ATTENTION_BACKENDS[device]
+    for role, backend in (("prefill", prefill), ("decode", decode)):
+        if backend is not None and backend not in supported:
+            raise DDTreeConfigError(
+                f"{role} attention backend {backend!r} is not supported on {device} "
+                f"(use --attention-backend {' or '.join(supported)})"
+            )
+
+
+def check_page_size(page_size: int | None) -> None:
+    """Accepted tree nodes keep their KV slots in place, which needs page size 1 for now."""
+    if page_size is not None and int(page_size) not in SUPPORTED_PAGE_SIZES:
+        raise DDTreeConfigError(f"--page-size {page_size} is not supported (use --page-size 1)")
+
+
+def check_parallelism(pp_size: int, enable_dp_attention: bool) -> None:
+    """Like SGLang's DFlash path: no pipeline parallelism, no DP attention."""
+    if int(pp_size) != 1:
+        raise DDTreeConfigError(f"--pp-size {pp_size} is not supported (use --pp-size 1)")
+    if enable_dp_attention:
+        raise DDTreeConfigError("--enable-dp-attention is not supported")
+
+
+def check_drafter_matches_target(drafter: DFlashDrafter, target_config: PretrainedConfig) -> None:
+    """The drafter's sizes, vocabulary, target layers and mask token fit the target."""
+    try:
+        drafter.check_compatible(target_config)
+    except ValueError as exc:
+        raise DDTreeConfigError(str(exc)) from None
+
+
+def check_block_size(drafter: DFlashDrafter, requested: int | None) -> None:
+    """``--speculative-dflash-block-size``, if given, must equal the drafter's block size."""
+    if requested is not None and int(requested) != drafter.block_size:
+        raise DDTreeConfigError(
+            f"--speculative-dflash-block-size {requested} differs from the drafter's "
+            f"block_size {drafter.block_size}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter config
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
+    """A weightless (meta-device) :class:`DFlashDrafter` from the config at ``path``.
+
+    ``path`` is a local checkpoint directory or a Hugging Face repo id. Raises
+    :class:`DDTreeConfigError` when the config is unreadable, not a DFlash drafter, or a DFlash
+    variant the drafter does not implement.
+    """
+    raw = read_drafter_config(path, revision)
+    architectures = raw.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise DDTreeConfigError(
+            f"--speculative-draft-model-path {path} is not a DFlash drafter "
+            f"(architectures={architectures}, expected {ARCHITECTURE})"
+        )
+    try:
+        with torch.device("meta"):
+            return DFlashDrafter(Qwen3Config.from_dict(raw))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DDTreeConfigError(f"unsupported DFlash drafter {path}: {exc}") from None
+
+
+def read_drafter_config(path: str, revision: str | None = None) -> dict[str, Any]:
+    """The drafter's ``config.json`` as a dict (local directory or Hugging Face repo)."""
+    try:
+        local = Path(path) / CONFIG_NAME
+        if local.is_file():
+            return json.loads(local.read_text())
+        if Path(path).exists():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(path, CONFIG_NAME, revision=revision)).read_text())
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DDTreeConfigError(f"cannot read the drafter config of {path}: {reason}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults (mutation; the algorithm's handle_server_args)
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_defaults(server_args: Any) -> None:
+    """Fill DDTREE's defaults into validated server args (in place)."""
+    drafter = load_drafter(
+        server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
+    )
+    disable_overlap(server_args)
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    server_args.speculative_dflash_block_size = drafter.block_size
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = drafter.block_size
+        logger.info(
+            "%s: --speculative-num-draft-tokens not set; using the drafter block size %d "
+            "(tree budget %d)",
+            ALGORITHM,
+            drafter.block_size,
+            drafter.block_size - 1,
+        )
+    if server_args.enable_mixed_chunk:
+        server_args.enable_mixed_chunk = False
+        logger.warning("%s: mixed chunked prefill is disabled", ALGORITHM)
+
+
+def disable_overlap(server_args: Any) -> None:
+    """The DDTREE worker runs synchronously: SGLang requires the algorithm to say so."""
+    if not server_args.disable_overlap_schedule:
+        server_args.disable_overlap_schedule = True
+        logger.warning("%s: overlap scheduling is not supported yet; disabling it", ALGORITHM)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang adapters
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolved(server_args: Any) -> Any:
+    """SGLang's mid-resolution view of ``server_args`` (declared overrides applied)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return resolved_view(server_args)
+
+
+def _attention_backends(view: Any) -> tuple[str | None, str | None]:
+    """(prefill, decode) attention backends of a resolved view."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of
+
+    return attention_backends_of(view)

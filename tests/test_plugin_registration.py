@@ -1,0 +1,352 @@
+"""The SGLang plugin against the real installed SGLang 0.5.17 (no mocks).
+
+Entry-point discovery, DDTREE registration after ``load_plugins()``, the hooks and their
+upstream diffs, the ``--speculative-ddtree-*`` flags, and start-up validation: directly, through
+``ServerArgs`` and through a real ``python -m sglang.launch_server`` that must exit with the
+one-line error. If SGLang is not installed these tests fail (``bash launch/setup-dev.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import Qwen3Config
+
+from sglang_tree_spec.drafters import DFlashDrafter
+from sglang_tree_spec.plugin import register
+from sglang_tree_spec.plugin.hooks import HOOKS, SGLANG_VERSION
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH_DIR = ROOT / "patches" / f"sglang-{SGLANG_VERSION}"
+BLOCK_SIZE = 4
+
+
+def qwen3_config(hidden: int = 64) -> Qwen3Config:
+    """A tiny Qwen3 target config (only its config is needed to validate arguments)."""
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Paths: a target config, a DFlash drafter for it, one for another target, a missing dir."""
+    root = tmp_path_factory.mktemp("ddtree-models")
+    target = qwen3_config()
+    target.save_pretrained(root / "target")
+    DFlashDrafter.random_init(target, num_layers=1, block_size=BLOCK_SIZE).save_pretrained(
+        root / "drafter"
+    )
+    other = qwen3_config(hidden=32)
+    DFlashDrafter.random_init(other, num_layers=1, block_size=BLOCK_SIZE).save_pretrained(
+        root / "other-drafter"
+    )
+    return {
+        "target": str(root / "target"),
+        "drafter": str(root / "drafter"),
+        "other_drafter": str(root / "other-drafter"),
+        "missing": str(root / "missing"),
+    }
+
+
+@pytest.fixture(scope="module")
+def sglang_plugins() -> None:
+    """SGLang's own plugin loading (entry points, then ``HookRegistry.apply_hooks``)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def server_args(models: dict[str, str], **overrides: Any) -> Any:
+    """A real (hooked) ``ServerArgs`` for the tiny target on CPU, ``__post_init__`` and all."""
+    from sglang.srt import server_args as sa
+
+    kwargs = {
+        "model_path": models["target"],
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        **overrides,
+    }
+    return sa.ServerArgs(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery and registration
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sglang_is_installed_at_the_supported_version():
+    import sglang  # noqa: F401  (an ImportError fails the test: CI installs SGLang)
+
+    assert importlib.metadata.version("sglang") == SGLANG_VERSION
+
+
+def test_entry_point_is_discoverable():
+    entry_points = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in entry_points if ep.value == "sglang_tree_spec.plugin:register"]
+    assert [ep.name for ep in ours] == ["ddtree"]
+    assert ours[0].load() is register
+
+
+def test_ddtree_resolves_after_plugins_load(sglang_plugins):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_tree_spec.plugin import validation
+    from sglang_tree_spec.plugin.algorithm import DDTreeSpecAlgo
+
+    algo = SpeculativeAlgorithm.from_string("DDTREE")
+    assert isinstance(algo, DDTreeSpecAlgo)
+    assert SpeculativeAlgorithm.from_string("ddtree") is algo  # the CLI upper-cases
+    assert algo.is_speculative() and algo.is_some() and algo.is_dflash_family()
+    assert not (algo.is_dflash() or algo.is_eagle() or algo.is_ngram() or algo.is_standalone())
+    assert algo.supports_target_verify_for_draft()
+    assert not (algo.supports_ragged_verify() or algo.supports_grammar_overlap())
+    assert algo.supports_overlap is False
+    assert algo.validate_server_args is validation.validate_server_args
+    assert algo.get_num_tokens_per_req_for_target_verify(33, is_draft_worker=False) == 33
+    register()  # idempotent: a second call neither re-registers nor raises
+    assert SpeculativeAlgorithm.from_string("DDTREE") is algo
+
+
+def test_ddtree_supplies_the_methods_custom_spec_algo_lacks(sglang_plugins):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    algo = SpeculativeAlgorithm.from_string("DDTREE")
+    for name in ("create_future_map", "carries_draft_hidden_states", "need_topk"):
+        assert hasattr(SpeculativeAlgorithm.EAGLE, name)
+        assert not hasattr(CustomSpecAlgo, name)  # 0.5.17's gap (patch 0003)
+        assert callable(getattr(algo, name))
+    assert algo.carries_draft_hidden_states() is False
+    assert algo.need_topk() is False
+
+
+def test_hooks_are_applied(sglang_plugins):
+    from sglang.srt import server_args as sa
+    from sglang.srt.entrypoints import engine
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    from sglang_tree_spec.plugin.server_args import DDTreeServerArgs
+
+    assert sa.ServerArgs is DDTreeServerArgs
+    assert engine.ServerArgs is DDTreeServerArgs  # what sglang.Engine(**kwargs) constructs
+    assert RotaryEmbedding.__init__.__wrapped__ is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks and their upstream diffs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.target)
+def test_hook_target_exists_in_installed_sglang(hook):
+    module_path, _, attribute = hook.target.rpartition(".")
+    owner = pkgutil.resolve_name(module_path)
+    assert attribute in vars(owner), hook.target
+    assert (PATCH_DIR / hook.patch).is_file(), hook.patch
+
+
+@pytest.mark.parametrize("diff", sorted(PATCH_DIR.glob("*.diff")), ids=lambda p: p.name)
+def test_patch_applies_cleanly_to_installed_sglang(diff):
+    import sglang
+
+    patch = shutil.which("patch")
+    assert patch, "the `patch` tool is required (apt-get install patch)"
+    site_packages = Path(sglang.__file__).resolve().parents[1]
+    result = subprocess.run(
+        [patch, "--dry-run", "--batch", "-p2", "-d", str(site_packages), "-i", str(diff)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not re.search(r"fuzz|offset|FAILED", result.stdout), result.stdout
+
+
+def test_every_hook_and_diff_is_explained_in_the_readme():
+    readme = (ROOT / "patches" / "README.md").read_text()
+    diffs = {p.name for p in PATCH_DIR.glob("*.diff")}
+    assert {hook.patch for hook in HOOKS} <= diffs
+    for name in diffs:
+        assert f"`{name}`" in readme, name
+    for hook in HOOKS:
+        assert f"`{hook.target}`" in readme, hook.target
+    assert len({hook.patch for hook in HOOKS}) == len(HOOKS)  # one hook per reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
+    from sglang.srt import server_args as sa
+
+    parser = argparse.ArgumentParser()
+    sa.ServerArgs.add_cli_args(parser)
+    assert "--speculative-ddtree-topk" in parser.format_help()
+    argv = [
+        "--model-path", models["target"],
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--speculative-algorithm", "ddtree",
+        "--speculative-draft-model-path", models["drafter"],
+        "--speculative-ddtree-topk", "8",
+    ]  # fmt: skip
+    args = sa.ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert args.speculative_algorithm == "DDTREE"
+    assert args.speculative_ddtree_topk == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ("no-drafter", {}, r"--speculative-draft-model-path is required"),
+    (
+        "budget-0",
+        {"speculative_num_draft_tokens": 1},
+        r"tree budget 0 \(--speculative-num-draft-tokens 1 minus the root\) is out of range "
+        r"\[1, 1024\]",
+    ),
+    ("budget-1025", {"speculative_num_draft_tokens": 1026}, r"tree budget 1025 .* out of range"),
+    ("topk-0", {"speculative_ddtree_topk": 0}, r"--speculative-ddtree-topk must be >= 1, got 0"),
+    ("not-dflash", {"draft": "target"}, r"is not a DFlash drafter \(architectures="),
+    (
+        "incompatible-drafter",
+        {"draft": "other_drafter"},
+        r"DFlash drafter incompatible with target: hidden size mismatch: drafter 32, target 64",
+    ),
+    (
+        "backend",
+        {"attention_backend": "triton"},
+        r"prefill attention backend 'triton' is not supported on cpu "
+        r"\(use --attention-backend torch_native\)",
+    ),
+    ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
+    (
+        "block-size",
+        {"speculative_dflash_block_size": 8},
+        r"--speculative-dflash-block-size 8 differs from the drafter's block_size 4",
+    ),
+]
+
+
+def _bad_kwargs(models: dict[str, str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """ServerArgs keywords of a bad case: its overrides, with a valid drafter unless given."""
+    kwargs = dict(overrides)
+    draft = kwargs.pop("draft", "drafter" if overrides else None)
+    if draft is not None:
+        kwargs["speculative_draft_model_path"] = models[draft]
+    return kwargs
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "message"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+)
+def test_validation_rejects_bad_configuration(sglang_plugins, models, case, overrides, message):
+    from sglang_tree_spec.plugin.validation import DDTreeConfigError, validate_server_args
+
+    args = server_args(models, **_bad_kwargs(models, overrides))  # resolved without DDTREE
+    with pytest.raises(DDTreeConfigError, match=message) as error:
+        validate_server_args(args)
+    assert str(error.value).startswith("DDTREE: ")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "message"), BAD_CONFIGS[:5], ids=[c[0] for c in BAD_CONFIGS[:5]]
+)
+def test_server_args_with_ddtree_rejects_bad_configuration(
+    sglang_plugins, models, case, overrides, message
+):
+    kwargs = _bad_kwargs(models, overrides)
+    with pytest.raises(ValueError, match=message):
+        server_args(models, speculative_algorithm="DDTREE", **kwargs)
+
+
+def test_validation_reports_an_unreadable_drafter(models):
+    """(SGLang itself reads any --speculative-draft-model-path first, so only a direct call
+    reaches this check with a missing directory.)"""
+    from sglang_tree_spec.plugin.validation import DDTreeConfigError, load_drafter
+
+    with pytest.raises(DDTreeConfigError, match=r"cannot read the drafter config of .*missing"):
+        load_drafter(models["missing"])
+
+
+def test_validation_refuses_unsupported_devices():
+    from sglang_tree_spec.plugin.validation import DDTreeConfigError, check_device
+
+    check_device("cuda")
+    check_device("cpu")
+    with pytest.raises(DDTreeConfigError, match=r"device 'npu' is not supported"):
+        check_device("npu")
+
+
+def test_server_args_with_ddtree_get_defaults(sglang_plugins, models):
+    args = server_args(
+        models,
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=models["drafter"],
+        enable_mixed_chunk=True,
+    )
+    assert args.speculative_algorithm == "DDTREE"
+    assert args.disable_overlap_schedule is True  # supports_overlap=False: set by the algorithm
+    assert args.speculative_num_draft_tokens == BLOCK_SIZE  # budget defaults to block size - 1
+    assert args.speculative_dflash_block_size == BLOCK_SIZE
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    assert args.enable_mixed_chunk is False
+    assert args.speculative_ddtree_topk is None
+
+
+def test_server_args_with_ddtree_keep_an_explicit_budget(sglang_plugins, models):
+    args = server_args(
+        models,
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=models["drafter"],
+        speculative_num_draft_tokens=65,
+        speculative_ddtree_topk=16,
+    )
+    assert args.speculative_num_draft_tokens == 65
+    assert args.speculative_ddtree_topk == 16
+
+
+def test_launch_server_exits_with_the_one_line_error(models):
+    command = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", models["target"],
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--speculative-algorithm", "DDTREE",
+        "--speculative-draft-model-path", models["target"],
+        "--speculative-num-draft-tokens", "17",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode != 0
+    expected = (
+        f"DDTREE: --speculative-draft-model-path {models['target']} is not a DFlash drafter "
+        "(architectures=['Qwen3ForCausalLM'], expected DFlashDraftModel)"
+    )
+    lines = result.stderr.splitlines()
+    assert any(line.endswith(expected) for line in lines), result.stderr[-4000:]

@@ -1,0 +1,305 @@
+"""A real SGLang 0.5.17 server on CPU serves a tiny random Qwen3 model made here.
+
+No speculation: this checks the CPU serving path every DDTREE test builds on. The server is the
+unmodified ``python -m sglang.launch_server``; the rotary fix it needs on CPU comes from this
+package's ``sglang.srt.plugins`` entry point, which SGLang runs in each of its processes. Greedy
+``/generate`` output must equal transformers' token for token. If SGLang is not installed the
+tests fail (``bash launch/setup-dev.sh`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 128
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+MAX_NEW_TOKENS = 12
+PROMPTS = [[5, 17, 33, 42, 90, 41, 7], [11, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+START_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny model
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: the specials, then ``w4 .. w{vocab-1}``, split on spaces."""
+    words = list(SPECIALS) + [f"w{i}" for i in range(len(SPECIALS), vocab)]
+    model = WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def tiny_qwen3_config(vocab: int = VOCAB) -> Qwen3Config:
+    """Two layers, hidden 64, GQA 4/2 heads of 16: seconds to load and run on CPU."""
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+
+
+def save_tiny_qwen3(path: Path, seed: int = 0) -> Qwen3ForCausalLM:
+    """Save a random tiny Qwen3 (weights, config, tokenizer) to ``path``; return the model.
+
+    The LM head is scaled up so greedy choices are not near-ties that float rounding between
+    two implementations could flip.
+    """
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_qwen3_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def greedy_reference(model: Qwen3ForCausalLM, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy continuation by full recomputation, and the smallest top-1/top-2 logit gap."""
+    ids = torch.tensor([prompt])
+    out, gap = [], float("inf")
+    for _ in range(n):
+        logits = model(ids).logits[0, -1]
+        top = logits.topk(2).values
+        gap = min(gap, float(top[0] - top[1]))
+        token = int(logits.argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out, gap
+
+
+# ---------------------------------------------------------------------------------------------
+# Server process
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> object:
+    """GET (payload None) or POST JSON; the decoded JSON reply."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read() or b"null")
+
+
+def cpu_server_command(model_path: Path, port: int) -> list[str]:
+    """The unmodified launch command for a CPU server without speculation."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        "2048",
+        "--max-running-requests",
+        "8",
+        "--random-seed",
+        "0",
+        "--log-level",
+        "info",
+    ]
+
+
+def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll ``/health`` until the server answers; fail with the log if it dies or times out."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-6000:]}")
+        try:
+            urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    pytest.fail(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-6000:]}")
+
+
+def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
+    """Start ``command`` in its own process group, output to ``log``.
+
+    ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points.
+    ``SGLANG_USE_CPU_ENGINE`` is removed so that only the plugin can make CPU serving work.
+    """
+    env = {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    with log.open("w") as sink:
+        return subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Terminate the server's process group (launcher, scheduler, detokenizer)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # leftover children of the group, if any
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures and tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3ForCausalLM]:
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    return path, save_tiny_qwen3(path)
+
+
+@pytest.fixture(scope="module")
+def cpu_server(
+    tiny_model: tuple[Path, Qwen3ForCausalLM], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, float]]:
+    """A running CPU server: (base URL, its log file, seconds it took to become healthy)."""
+    import sglang  # noqa: F401  (fail, not skip, without SGLang)
+
+    path, _ = tiny_model
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    started = time.monotonic()
+    process = launch(cpu_server_command(path, port), log, plugins="ddtree")
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(base_url, process, log)
+        yield base_url, log, time.monotonic() - started
+    finally:
+        stop(process)
+
+
+def test_reference_has_no_near_ties(tiny_model):
+    _, model = tiny_model
+    for prompt in PROMPTS:
+        _, gap = greedy_reference(model, prompt, MAX_NEW_TOKENS)
+        assert gap > 1e-2, (prompt, gap)
+
+
+def test_cpu_server_fails_without_the_plugin(tiny_model, tmp_path):
+    """Control: with the plugin filtered out, SGLang 0.5.17 cannot build the model on CPU.
+
+    Runs before the module's server starts (test order), so the two never share the 2 cores.
+    """
+    path, _ = tiny_model
+    log = tmp_path / "server.log"
+    process = launch(cpu_server_command(path, free_port()), log, plugins="none")
+    needle = "from vllm._custom_ops import rotary_embedding"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if needle in log.read_text():
+                break
+            time.sleep(0.5)
+    finally:
+        stop(process)
+    assert needle in log.read_text(), log.read_text()[-4000:]
+
+
+def test_cpu_server_greedy_generate_equals_transformers(tiny_model, cpu_server):
+    _, model = tiny_model
+    base_url, _, _ = cpu_server
+    reply = http_json(
+        f"{base_url}/generate",
+        {
+            "input_ids": PROMPTS,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "ignore_eos": True,
+            },
+        },
+    )
+    assert isinstance(reply, list) and len(reply) == len(PROMPTS)
+    for prompt, item in zip(PROMPTS, reply, strict=True):
+        expected, _ = greedy_reference(model, prompt, MAX_NEW_TOKENS)
+        assert item["output_ids"] == expected, prompt
+
+
+def test_cpu_server_text_prompt_uses_the_saved_tokenizer(tiny_model, cpu_server):
+    _, model = tiny_model
+    base_url, _, _ = cpu_server
+    tokenizer = tiny_tokenizer()
+    prompt = PROMPTS[0]
+    reply = http_json(
+        f"{base_url}/generate",
+        {
+            "text": tokenizer.decode(prompt),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+        },
+    )
+    expected, _ = greedy_reference(model, prompt, 6)
+    assert reply["output_ids"] == expected
+    assert reply["text"].split() == tokenizer.decode(expected).split()
+
+
+def test_cpu_server_ran_the_plugin_in_every_process(cpu_server):
+    base_url, log, seconds = cpu_server
+    # The launcher parsed its arguments with the plugin's ServerArgs (the REPLACE hook); the
+    # scheduler built the model only because the plugin's rotary hook ran there too (see the
+    # control below).
+    assert "server_args=DDTreeServerArgs(" in log.read_text()
+    assert seconds < START_TIMEOUT_S
+    info = http_json(f"{base_url}/get_server_info")
+    assert info["device"] == "cpu"
+    assert info["speculative_algorithm"] is None
+    assert info["speculative_ddtree_topk"] is None
