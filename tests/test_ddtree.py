@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tree_helpers import node_paths, random_marginals
+from tree_helpers import assert_well_formed, node_paths, random_marginals
 
 from sglang_tree_spec.tree import (
     build_ddtree,
@@ -39,39 +39,6 @@ def best_valid_tree_value(probs: dict[tuple[int, ...], float], budget: int) -> f
             if all(p[:-1] in chosen for p in chosen if len(p) > 1):
                 best = max(best, sum(probs[p] for p in chosen))
     return best
-
-
-def assert_well_formed(tree, topk_logprobs, topk_tokens) -> None:
-    """Structure invariants of the DraftTree contract, checked with plain Python loops."""
-    bs, budget = tree.tokens.shape
-    for b in range(bs):
-        parents = tree.parents[b].tolist()
-        depths = tree.depths[b].tolist()
-        tokens = tree.tokens[b].tolist()
-        valid = tree.valid[b].tolist()
-        n_valid = sum(valid)
-        assert valid == [True] * n_valid + [False] * (budget - n_valid), "padding must trail"
-        assert depths[:n_valid] == sorted(depths[:n_valid]), "breadth-first order"
-        siblings: dict[int, set[int]] = {}
-        for i in range(n_valid):
-            p = parents[i]
-            assert p < i
-            assert (p == -1) == (depths[i] == 1)
-            if p >= 0:
-                assert depths[i] == depths[p] + 1
-                assert valid[p]
-            assert tokens[i] not in siblings.setdefault(p, set()), "sibling tokens distinct"
-            siblings[p].add(tokens[i])
-        # Each node's log-prob is the sum of its path's marginals.
-        for i, path in enumerate(node_paths(parents, tokens, valid)[:n_valid]):
-            total = 0.0
-            for d, token in enumerate(path):
-                rank = topk_tokens[b, d].tolist().index(token)
-                total += float(topk_logprobs[b, d, rank].clamp_min(-1e30))
-            assert tree.logprobs[b, i].item() == pytest.approx(total, rel=1e-5, abs=1e-5)
-        for i in range(n_valid, budget):
-            assert (parents[i], depths[i], tokens[i]) == (-1, 1, 0)
-            assert tree.logprobs[b, i].item() == float("-inf")
 
 
 @pytest.mark.parametrize(

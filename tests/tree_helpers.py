@@ -1,8 +1,11 @@
-"""Shared helpers for the core tests: random draft marginals and tree walks."""
+"""Shared helpers for the core tests: random draft marginals, tree walks, the tree checker."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR
 
 
 def random_marginals(
@@ -29,3 +32,44 @@ def node_paths(parents: list[int], tokens: list[int], valid: list[bool]) -> list
             continue
         paths.append((*(paths[parent] if parent >= 0 else ()), token))
     return paths
+
+
+def assert_well_formed(tree, topk_logprobs, topk_tokens) -> None:
+    """Invariants of the DraftTree contract, checked with plain Python loops.
+
+    Structure: valid prefix, breadth-first, parents before children at depth - 1, distinct
+    sibling tokens, padding conventions. Log-probs: each node's is the sum of its path's
+    floored marginals, a token outside the top-K at its depth counting ``LOGPROB_FLOOR``.
+    """
+    bs, budget = tree.tokens.shape
+    for b in range(bs):
+        parents = tree.parents[b].tolist()
+        depths = tree.depths[b].tolist()
+        tokens = tree.tokens[b].tolist()
+        valid = tree.valid[b].tolist()
+        n_valid = sum(valid)
+        assert valid == [True] * n_valid + [False] * (budget - n_valid), "padding must trail"
+        assert depths[:n_valid] == sorted(depths[:n_valid]), "breadth-first order"
+        siblings: dict[int, set[int]] = {}
+        for i in range(n_valid):
+            p = parents[i]
+            assert p < i
+            assert (p == -1) == (depths[i] == 1)
+            assert depths[i] <= tree.max_depth
+            if p >= 0:
+                assert depths[i] == depths[p] + 1
+                assert valid[p]
+            assert tokens[i] not in siblings.setdefault(p, set()), "sibling tokens distinct"
+            siblings[p].add(tokens[i])
+        for i, path in enumerate(node_paths(parents, tokens, valid)[:n_valid]):
+            total = 0.0
+            for d, token in enumerate(path):
+                row = topk_tokens[b, d].tolist()
+                if token in row:
+                    total += float(topk_logprobs[b, d, row.index(token)].clamp_min(LOGPROB_FLOOR))
+                else:
+                    total += LOGPROB_FLOOR
+            assert tree.logprobs[b, i].item() == pytest.approx(total, rel=1e-5, abs=1e-5)
+        for i in range(n_valid, budget):
+            assert (parents[i], depths[i], tokens[i]) == (-1, 1, 0)
+            assert tree.logprobs[b, i].item() == float("-inf")

@@ -1,17 +1,20 @@
 """Reference speculative decoding engine on PyTorch + transformers.
 
 The oracle for the SGLang plugin and the project's CPU path: plain decoding (``ar``), the DFlash
-single chain (``chain``) and DDTree (``ddtree``) over one batch of requests of different lengths,
-all built on :mod:`sglang_tree_spec.tree`.
+single chain (``chain``), DDTree (``ddtree``) and DDTree with Graft's retrieval grafted in
+(``ddtree-graft-stage``, ``ddtree-graft-unified``) over one batch of requests of different
+lengths, all built on :mod:`sglang_tree_spec.tree` and :mod:`sglang_tree_spec.graft`.
 
 One decode step for the active requests (bs of them):
 
 1. draft   -- one drafter forward over ``[bonus, MASK x (L)]`` gives top-K marginals ``[bs, L, K]``;
-2. select  -- the draft tree (``build_ddtree`` or ``build_chain``) and its verify layout;
+2. select  -- the draft tree (``build_ddtree`` or ``build_chain``; for the graft methods, then
+              ``graft_stage`` / ``graft_unified``) and its verify layout;
 3. verify  -- one target forward over root + tree (``W = B + 1`` slots) with the ancestor mask,
               positions ``prefix_len + depth``;
 4. accept  -- ``greedy_accept`` / ``sample_accept``; keep the accepted path's KV only; append the
-              committed tokens' target hidden states to the drafter's context.
+              committed tokens' target hidden states to the drafter's context; graft methods
+              refresh the successor table from the verify logits of every window slot.
 
 The bonus token of a step is the root of the next one: it is committed but not yet in the KV
 cache. ``ar`` is the same loop with an empty tree (a window of the root alone).
@@ -33,6 +36,14 @@ from sglang_tree_spec.engine.kv import (
     select_requests,
     verify_attention_mask,
 )
+from sglang_tree_spec.graft import (
+    RankAcceptance,
+    StageConfig,
+    SuccessorTable,
+    graft_stage,
+    graft_unified,
+    stage_confidences,
+)
 from sglang_tree_spec.tree import (
     DraftTree,
     build_chain,
@@ -43,8 +54,10 @@ from sglang_tree_spec.tree import (
     sample_tokens,
     topk_from_logits,
 )
+from sglang_tree_spec.tree.layout import window_valid
 
-METHODS = ("ar", "chain", "ddtree")
+GRAFT_METHODS = ("ddtree-graft-stage", "ddtree-graft-unified")
+METHODS = ("ar", "chain", "ddtree", *GRAFT_METHODS)
 PHASES = ("draft", "select", "verify", "accept")
 
 
@@ -122,10 +135,19 @@ class SpecEngine:
 
     Args:
         target: a transformers causal LM (full attention), eval mode.
-        drafter: a :class:`DFlashDrafter` for ``chain`` / ``ddtree``.
-        method: ``"ar"``, ``"chain"`` or ``"ddtree"``.
+        drafter: a :class:`DFlashDrafter` for every method but ``ar``.
+        method: one of :data:`METHODS`.
         budget: DDTree node budget B (verify window B + 1).
         topk: tokens per drafted position for DDTree (default ``min(budget, 64)``).
+        stage: the stage rule of ``ddtree-graft-stage`` (calibrate it on training prompts), and
+            the checkpoints :attr:`confidence_log` records.
+        successors_k: ranks per row of the successor table.
+
+    Graft state, kept across :meth:`generate` calls and shared by all requests: ``successors``
+    (a :class:`SuccessorTable`, warm-started from each prompt's bigrams) and, for
+    ``ddtree-graft-unified``, ``rank_acceptance``. Set ``confidence_log = []`` to record, for
+    every speculative step, ``(stage_confidences [bs, C], accept_len [bs])`` (the input
+    of :func:`~sglang_tree_spec.graft.calibrate_stage`).
     """
 
     def __init__(
@@ -135,6 +157,8 @@ class SpecEngine:
         method: str = "ddtree",
         budget: int = 64,
         topk: int | None = None,
+        stage: StageConfig | None = None,
+        successors_k: int = 8,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -160,6 +184,14 @@ class SpecEngine:
         self.topk = topk
         self.device = target.device
         self.dtype = target.dtype
+        self.stage = stage or StageConfig()
+        graft = method in GRAFT_METHODS
+        self.successors = (
+            SuccessorTable(self.vocab_size, successors_k, self.device) if graft else None
+        )
+        unified = method == "ddtree-graft-unified"
+        self.rank_acceptance = RankAcceptance(successors_k, device=self.device) if unified else None
+        self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------- public API
 
@@ -187,6 +219,10 @@ class SpecEngine:
         sampling = (temperature, top_k, top_p)
         results: list[GenerationResult | None] = [None] * len(prompts)
         outputs: list[list[int]] = [[] for _ in prompts]
+        if self.successors is not None:
+            width = max(len(p) for p in prompts)
+            padded = [p + [-1] * (width - len(p)) for p in prompts]
+            self.successors.observe(torch.tensor(padded, device=self.device))
         stats = [RequestStats() for _ in prompts]
 
         batch = self._prefill(prompts, sampling, base_seed, stats)
@@ -275,21 +311,46 @@ class SpecEngine:
         self._timed(stats, list(range(bs)), "verify", start)
         return _Batch(list(range(bs)), lengths, bonus, cache, draft_cache, generators)
 
-    def _draft_tree(self, batch: _Batch) -> DraftTree:
-        """Draft a block from each bonus token and select the tree. ``[bs, B or L]``."""
+    def _draft_tree(self, batch: _Batch) -> tuple[DraftTree, torch.Tensor]:
+        """Draft a block from each bonus token and select the tree. ``[bs, B or L]``, and the
+        drafter's top-K log-probs ``[bs, L, K]``."""
         blocks = self.drafter.block_token_ids(batch.bonus)
         embed, head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
         topk = 1 if self.method == "chain" else self.topk
         lp, tok = topk_from_logits(batch.draft_cache.draft_logits(blocks, embed, head), topk)
         if self.method == "chain":
-            return build_chain(lp, tok)
-        return build_ddtree(lp, tok, self.budget, vocab_size=self.vocab_size, validate=False)
+            return build_chain(lp, tok), lp
+        tree = build_ddtree(lp, tok, self.budget, vocab_size=self.vocab_size, validate=False)
+        if self.method == "ddtree-graft-stage":
+            tree = graft_stage(tree, lp, tok, batch.bonus, self.successors, self.stage)
+        elif self.method == "ddtree-graft-unified":
+            rates = self.rank_acceptance.rates()
+            tree = graft_unified(tree, lp, tok, batch.bonus, self.successors, rates)
+        return tree, lp
+
+    def _learn_successors(
+        self, tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, committed: torch.Tensor
+    ) -> None:
+        """Refresh the graft state from one verify step.
+
+        Args:
+            tree: the verified trees; ``tokens [bs, W]`` and ``logits [bs, W, V]`` the window
+                and the target's logits at every slot; ``committed [bs, L + 1]`` the committed
+                tokens (-1 padded). Rank acceptance is counted against the rows the tree was
+                drafted from, before the table takes this step's logits.
+        """
+        if self.rank_acceptance is not None:
+            parents = torch.cat([tokens[:, :1], committed[:, :-1]], dim=1)  # root, then path
+            rows = self.successors.rows(parents).flatten(0, 1)
+            self.rank_acceptance.observe(rows, committed.flatten(), committed.flatten() >= 0)
+        valid = window_valid(tree).flatten()
+        self.successors.update(tokens.flatten(), logits.flatten(0, 1), valid)
 
     def _step(self, batch: _Batch, sampling, stats) -> list[list[int]]:
         """One speculative (or plain) decode step; returns each row's committed tokens."""
         ids, bs = batch.ids, batch.size
         start = time.perf_counter()
-        tree = self._draft_tree(batch) if self.method != "ar" else None
+        tree, draft_lp = self._draft_tree(batch) if self.method != "ar" else (None, None)
         start = self._timed(stats, ids, "draft", start)
 
         if tree is None:
@@ -330,6 +391,11 @@ class SpecEngine:
                 result = sample_accept(tree, out.logits, *rows, uniforms=uniforms[:, 1:])
             bonus, path, accept_len = result.bonus, result.accepted_slots, result.accept_len
             committed = result.committed_tokens  # the accepted drafts, then the bonus
+            if self.successors is not None:
+                self._learn_successors(tree, tokens, out.logits, committed)
+            if self.confidence_log is not None:
+                confidence = stage_confidences(draft_lp, self.stage.depths)
+                self.confidence_log.append((confidence.cpu(), accept_len.cpu()))
         new_lens = keep_window_slots(batch.cache, batch.prefix_lens, past_len, path)
         if tree is not None:
             features = self.drafter.target_hidden_features(out.hidden_states)  # [bs, W, F]

@@ -1,0 +1,36 @@
+"""Graft: a shared successor table, grafted into DDTree trees at a fixed budget.
+
+Pure torch, batched, no SGLang or transformers imports. :class:`SuccessorTable` is refreshed
+from the target's verify logits; :func:`graft_stage` (Graft's prune-then-graft rule) and
+:func:`graft_unified` (one best-first choice over draft and retrieved nodes) rewrite a DDTree's
+slots without changing its shape.
+"""
+
+from sglang_tree_spec.graft.policies import (
+    StageConfig,
+    calibrate_stage,
+    graft_stage,
+    graft_unified,
+    stage_confidences,
+)
+from sglang_tree_spec.graft.table import UNKNOWN, SuccessorTable
+from sglang_tree_spec.graft.template import (
+    DEFAULT_RANK_PRIOR,
+    RankAcceptance,
+    RankTemplate,
+    rank_template,
+)
+
+__all__ = [
+    "DEFAULT_RANK_PRIOR",
+    "UNKNOWN",
+    "RankAcceptance",
+    "RankTemplate",
+    "StageConfig",
+    "SuccessorTable",
+    "calibrate_stage",
+    "graft_stage",
+    "graft_unified",
+    "rank_template",
+    "stage_confidences",
+]

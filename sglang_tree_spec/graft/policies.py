@@ -1,0 +1,402 @@
+"""Grafting policies: fill a DDTree's slots with tokens retrieved from the successor table.
+
+Both policies take the DDTree of ``B`` nodes, the drafter's top-K marginals, the root (bonus)
+tokens and a :class:`~sglang_tree_spec.graft.table.SuccessorTable`, and return a
+:class:`~sglang_tree_spec.tree.DraftTree` of the same shape, ``max_depth`` and invariants
+(breadth-first, parents before children, prefix closed, distinct sibling tokens, valid prefix).
+The output's ``logprobs`` keep their contract, the path log-probability under the drafter's
+marginals, a token outside the drafter's top-K at its depth counting ``LOGPROB_FLOOR``.
+
+Shared machinery, all batched with fixed shapes (Python loops run over depths only):
+
+1. *Pool* -- the ``B`` draft nodes then a retrieval envelope of ``T = B`` rank-path nodes
+   (:mod:`~sglang_tree_spec.graft.template`) rooted at the bonus token, tokens looked up in
+   the table depth by depth. A retrieved node whose parent is the root or a merged node, and
+   whose token equals a draft child of that parent, *merges* into that draft node: one pool
+   entry carrying both the draft marginal and the retrieval rank, and the retrieved node's
+   children hang under the draft node. A retrieved node with an UNKNOWN token (or under one)
+   is never selectable: its slot stays with a draft node, or becomes padding.
+2. *Priority* -- the policy's order over pool entries, non-decreasing from parent to child so
+   that any best-``B`` set is prefix closed.
+3. *Select* -- the ``B`` best entries, laid out breadth-first with parents re-indexed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from sglang_tree_spec.graft.table import UNKNOWN, SuccessorTable
+from sglang_tree_spec.graft.template import (
+    RankTemplate,
+    best_first_position,
+    rank_template,
+    static_template,
+)
+from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR, DraftTree
+
+_LAST = torch.iinfo(torch.int64).max  # selection key of an unselectable pool entry
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Draft nodes (entries ``0 .. B-1``) then template nodes (``B .. B+T-1``). ``[bs, N]``.
+
+    Attributes:
+        tokens: int64 (0 where unknown).
+        parents: int64 pool index of the parent, -1 under the root.
+        depths: int64.
+        logprobs: float32 path log-probability under the drafter's marginals (floored).
+        valid: bool, selectable (real draft nodes, known unmerged retrieved nodes).
+        rank: int64 retrieval rank of the entry (template nodes, merged draft nodes), else -1.
+        retrieval_priority: int64 template priority of that retrieved node, else ``_LAST``.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    logprobs: torch.Tensor
+    valid: torch.Tensor
+    rank: torch.Tensor
+    retrieval_priority: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def draft_marginals(
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    depths: torch.Tensor,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
+    """``[bs, N]`` float32 floored log q_d(token) of each node at its depth, ``LOGPROB_FLOOR``
+    when the token is outside the drafter's top-K there.
+
+    Args:
+        topk_logprobs, topk_tokens: ``[bs, L, K]``.
+        depths, tokens: ``[bs, N]`` int64, depths in 1..L.
+    """
+    k = topk_tokens.shape[2]
+    row = (depths - 1).unsqueeze(2).expand(-1, -1, k)  # [bs, N, K]
+    candidates = topk_tokens.to(torch.long).gather(1, row)
+    lp = topk_logprobs.float().clamp_min(LOGPROB_FLOOR).gather(1, row)
+    hit = candidates == tokens.unsqueeze(2)
+    return torch.where(hit, lp, LOGPROB_FLOOR).max(dim=2).values
+
+
+def _build_pool(
+    tree: DraftTree,
+    template: RankTemplate,
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    root_tokens: torch.Tensor,
+    table: SuccessorTable,
+) -> _Pool:
+    """Retrieve the envelope, merge it into the draft tree, and pool both."""
+    bs, budget = tree.batch_size, tree.budget
+    size = template.size
+    device = tree.device
+    t_rank = template.ranks.expand(bs, size)
+    t_parent = template.parents.clamp_min(0).expand(bs, size)
+    under_root = (template.parents < 0).expand(bs, size)
+    t_depth = template.depths.expand(bs, size)
+    root = root_tokens.to(torch.long).view(bs, 1)
+
+    tokens = torch.full((bs, size), UNKNOWN, dtype=torch.long, device=device)
+    merged = torch.full((bs, size), -1, dtype=torch.long, device=device)  # draft node or -1
+    for depth in range(1, tree.max_depth + 1):  # parents are one depth up: done the round before
+        at = (t_depth == depth) & template.valid
+        parent_token = torch.where(under_root, root, tokens.gather(1, t_parent))
+        identity = torch.where(under_root, -1, merged.gather(1, t_parent))  # draft parent id
+        can_merge = under_root | (identity >= 0)
+        token = table.lookup(parent_token, t_rank)  # [bs, T]
+        match = (
+            tree.valid.unsqueeze(1)
+            & (tree.parents.unsqueeze(1) == identity.unsqueeze(2))
+            & (tree.tokens.unsqueeze(1) == token.unsqueeze(2))
+            & (can_merge & (token != UNKNOWN)).unsqueeze(2)
+        )  # [bs, T, B]: at most one draft sibling carries the token
+        merge_into = torch.where(match.any(dim=2), match.to(torch.long).argmax(dim=2), -1)
+        tokens = torch.where(at, token, tokens)
+        merged = torch.where(at, merge_into, merged)
+
+    parent_merged = merged.gather(1, t_parent)
+    edge = draft_marginals(topk_logprobs, topk_tokens, t_depth, tokens)  # [bs, T]
+    logprobs = torch.zeros(bs, size, dtype=torch.float32, device=device)
+    for depth in range(1, tree.max_depth + 1):
+        parent_lp = torch.where(
+            parent_merged >= 0,
+            tree.logprobs.float().gather(1, parent_merged.clamp_min(0)),
+            logprobs.gather(1, t_parent),
+        )
+        parent_lp = torch.where(under_root, 0.0, parent_lp)
+        logprobs = torch.where(t_depth == depth, parent_lp + edge, logprobs)
+
+    t_parents = torch.where(parent_merged >= 0, parent_merged, budget + t_parent)
+    t_parents = torch.where(under_root, -1, t_parents)
+    is_merged = merged >= 0
+    # Merged retrieved nodes hand their rank and priority to their draft node (column B: sink).
+    sink = torch.where(is_merged, merged, budget)
+    t_priority = template.priority.expand(bs, size)
+    draft_rank = torch.full((bs, budget + 1), -1, dtype=torch.long, device=device)
+    draft_rank.scatter_(1, sink, t_rank)
+    draft_priority = torch.full((bs, budget + 1), _LAST, dtype=torch.long, device=device)
+    draft_priority.scatter_(1, sink, t_priority)
+    retrievable = (tokens != UNKNOWN) & ~is_merged & template.valid
+    return _Pool(
+        tokens=torch.cat([tree.tokens, tokens.clamp_min(0)], dim=1),
+        parents=torch.cat([tree.parents, t_parents], dim=1),
+        depths=torch.cat([tree.depths, t_depth], dim=1),
+        logprobs=torch.cat([tree.logprobs.float(), logprobs], dim=1),
+        valid=torch.cat([tree.valid, retrievable], dim=1),
+        rank=torch.cat([draft_rank[:, :budget], t_rank], dim=1),
+        retrieval_priority=torch.cat([draft_priority[:, :budget], t_priority], dim=1),
+    )
+
+
+def _select(pool: _Pool, key: torch.Tensor, budget: int, max_depth: int) -> DraftTree:
+    """The ``budget`` entries of lowest ``key`` (unique, ``_LAST`` for unselectable ones),
+    breadth-first (by depth, then pool index), as a :class:`DraftTree`."""
+    bs, n = pool.tokens.shape
+    device = pool.tokens.device
+    chosen = torch.topk(key, budget, dim=1, largest=False, sorted=False).indices  # [bs, B]
+    real = pool.valid.gather(1, chosen)
+    bfs = torch.where(real, pool.depths.gather(1, chosen) * n, (max_depth + 1) * n) + chosen
+    chosen = chosen.gather(1, bfs.argsort(dim=1))
+    real = pool.valid.gather(1, chosen)
+    node_of = torch.full((bs, n), -1, dtype=torch.long, device=device)
+    node_of.scatter_(1, chosen, torch.arange(budget, device=device).expand(bs, budget))
+    parent = pool.parents.gather(1, chosen)
+    parents = torch.where(parent >= 0, node_of.gather(1, parent.clamp_min(0)), -1)
+    return DraftTree(
+        tokens=torch.where(real, pool.tokens.gather(1, chosen), 0),
+        parents=torch.where(real, parents, -1),
+        depths=torch.where(real, pool.depths.gather(1, chosen), 1),
+        logprobs=torch.where(real, pool.logprobs.gather(1, chosen), float("-inf")),
+        valid=real,
+        max_depth=max_depth,
+    )
+
+
+def _check_inputs(tree: DraftTree, topk_tokens: torch.Tensor, root_tokens: torch.Tensor) -> None:
+    bs, depth = tree.batch_size, tree.max_depth
+    if topk_tokens.dim() != 3 or topk_tokens.shape[:2] != (bs, depth):
+        raise ValueError(
+            f"top-K inputs must be [bs, L, K] with bs={bs}, L={depth}; "
+            f"got {tuple(topk_tokens.shape)}"
+        )
+    if root_tokens.shape != (bs,):
+        raise ValueError(f"root_tokens must be [bs] = [{bs}], got {tuple(root_tokens.shape)}")
+
+
+# ------------------------------------------------------------------------------------ stage
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Graft's stage rule: checkpoint depths, their thresholds, and the draft share kept.
+
+    At checkpoint ``d`` the confidence is ``c_d``, the probability of the best draft path of
+    depth ``d`` (the rank-0 chain: ``prod_{i <= d} max q_i``). The first checkpoint with
+    ``c_d <= threshold`` prunes: the tree keeps ``round(keep_fraction * B)`` draft nodes.
+    Checkpoints deeper than the drafted block are skipped. Defaults: the paper's checkpoints
+    d0, d1, d5 (depths 1, 2, 6), its Qwen3-8B thresholds and its 8 / 24 / 40 of 60 nodes; run
+    :func:`calibrate_stage` on training prompts for a given pair.
+    """
+
+    depths: tuple[int, ...] = (1, 2, 6)
+    thresholds: tuple[float, ...] = (0.15, 0.13, 0.51)
+    keep_fractions: tuple[float, ...] = (8 / 60, 24 / 60, 40 / 60)
+
+    def __post_init__(self) -> None:
+        if not len(self.depths) == len(self.thresholds) == len(self.keep_fractions):
+            raise ValueError("depths, thresholds and keep_fractions must have the same length")
+        if any(d < 1 for d in self.depths) or list(self.depths) != sorted(set(self.depths)):
+            raise ValueError(f"checkpoint depths must be increasing and >= 1, got {self.depths}")
+        if any(not 0.0 <= f <= 1.0 for f in self.keep_fractions):
+            raise ValueError(f"keep_fractions must lie in [0, 1], got {self.keep_fractions}")
+
+    def keep_counts(self, budget: int) -> list[int]:
+        """Draft nodes kept when each checkpoint prunes."""
+        return [round(f * budget) for f in self.keep_fractions]
+
+
+def stage_confidences(topk_logprobs: torch.Tensor, depths: Sequence[int]) -> torch.Tensor:
+    """``[bs, C]`` float32 ``c_d`` at each checkpoint depth (clamped to the block's ``L``)."""
+    best_path = topk_logprobs[:, :, 0].float().cumsum(dim=1).exp()  # [bs, L]
+    index = torch.tensor(depths, device=best_path.device).clamp_max(best_path.shape[1]) - 1
+    return best_path.index_select(1, index)
+
+
+def stage_keep(topk_logprobs: torch.Tensor, config: StageConfig, budget: int) -> torch.Tensor:
+    """``[bs]`` int64 draft nodes each request keeps: ``budget`` when every checkpoint passes,
+    else the keep count of the first failing one."""
+    depth_count = topk_logprobs.shape[1]
+    device = topk_logprobs.device
+    confidence = stage_confidences(topk_logprobs, config.depths)  # [bs, C]
+    thresholds = torch.tensor(config.thresholds, device=device)
+    active = torch.tensor(config.depths, device=device) <= depth_count
+    fails = (confidence <= thresholds) & active  # [bs, C]
+    counts = torch.tensor(config.keep_counts(budget), device=device)
+    first = fails.to(torch.long).argmax(dim=1)
+    return torch.where(fails.any(dim=1), counts[first], budget)
+
+
+def graft_stage(
+    tree: DraftTree,
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    root_tokens: torch.Tensor,
+    table: SuccessorTable,
+    config: StageConfig,
+) -> DraftTree:
+    """Graft's prune-then-graft rule on a DDTree.
+
+    A request whose checkpoints all pass keeps its draft tree (retrieved nodes only take
+    padding slots). One that fails at a checkpoint keeps its ``B_draft`` best draft nodes (the
+    first ``B_draft`` by score, an optimal ``B_draft``-tree by DDTree's nesting), then fills
+    the other slots with the static rank template rooted at the bonus token, in its
+    best-first order, skipping retrieved nodes that are unknown or merged into a kept draft
+    node; slots the retrieval cannot fill go back to the next draft nodes by score.
+
+    Args:
+        tree: ``[bs, B]`` DDTree (best-first nested: children never score above parents).
+        topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K the tree was built from.
+        root_tokens: ``[bs]`` bonus tokens.
+        table: the successor table.
+        config: checkpoints, thresholds, keep fractions.
+    """
+    _check_inputs(tree, topk_tokens, root_tokens)
+    budget = tree.budget
+    template = static_template(budget, tree.max_depth, table.k, tree.device)
+    pool = _build_pool(tree, template, topk_logprobs, topk_tokens, root_tokens, table)
+    keep = stage_keep(topk_logprobs, config, budget).unsqueeze(1)  # [bs, 1]
+    # Tiers: kept draft nodes, then the template in its order, then the other draft nodes.
+    draft_position = best_first_position(tree.logprobs.float())  # [bs, B]
+    draft_priority = torch.where(
+        draft_position < keep, draft_position, keep + budget + draft_position
+    )
+    retrieved = torch.where(
+        pool.retrieval_priority < _LAST, keep + pool.retrieval_priority, _LAST
+    )  # [bs, N]
+    priority = torch.minimum(retrieved[:, :budget], draft_priority)
+    priority = torch.cat([priority, retrieved[:, budget:]], dim=1)
+    n = pool.size
+    index = torch.arange(n, device=tree.device)
+    key = torch.where(pool.valid, priority * n + index, _LAST)
+    return _select(pool, key, budget, tree.max_depth)
+
+
+def calibrate_stage(
+    confidences: torch.Tensor,
+    accept_lens: torch.Tensor,
+    config: StageConfig | None = None,
+    max_miss: float = 0.25,
+    min_steps: int = 8,
+) -> StageConfig:
+    """Thresholds from recorded DDTree steps on TRAINING prompts (never evaluation ones).
+
+    Checkpoint ``d``'s threshold is the largest ``tau`` such that, among the steps pruned there
+    (``c_d <= tau``, among those that passed the earlier checkpoints), at most ``max_miss`` had
+    actually accepted ``d`` or more draft tokens -- a bound on the misjudgment rate -- and at
+    least ``min_steps`` are pruned. With no such ``tau`` the threshold is 0 (never prunes).
+
+    Args:
+        confidences: ``[N, C]`` :func:`stage_confidences` of ``N`` recorded steps.
+        accept_lens: ``[N]`` draft tokens each step accepted.
+        config: checkpoints and keep fractions (default :class:`StageConfig`).
+    """
+    config = config or StageConfig()
+    confidences = torch.as_tensor(confidences, dtype=torch.float64).cpu()
+    accept_lens = torch.as_tensor(accept_lens).cpu()
+    if confidences.dim() != 2 or confidences.shape != (accept_lens.shape[0], len(config.depths)):
+        raise ValueError(
+            f"confidences must be [N, {len(config.depths)}] and accept_lens [N]; got "
+            f"{tuple(confidences.shape)} and {tuple(accept_lens.shape)}"
+        )
+    alive = torch.ones(accept_lens.shape[0], dtype=torch.bool)
+    thresholds = []
+    for column, depth in enumerate(config.depths):
+        tau = _largest_safe_threshold(
+            confidences[alive, column], accept_lens[alive] >= depth, max_miss, min_steps
+        )
+        thresholds.append(tau)
+        alive &= confidences[:, column] > tau
+    return replace(config, thresholds=tuple(thresholds))
+
+
+def _largest_safe_threshold(
+    confidence: torch.Tensor, reached: torch.Tensor, max_miss: float, min_steps: int
+) -> float:
+    """Largest ``tau`` whose pruned set ``confidence <= tau`` has a ``reached`` rate of at
+    most ``max_miss`` and at least ``min_steps`` members; 0.0 when there is none."""
+    order = confidence.argsort()
+    values = confidence[order]
+    pruned = torch.arange(1, values.shape[0] + 1)
+    miss_rate = reached[order].double().cumsum(dim=0) / pruned
+    closes_ties = torch.ones_like(values, dtype=torch.bool)  # tau = values[i] prunes 0..i only
+    closes_ties[:-1] = values[1:] > values[:-1]
+    ok = (miss_rate <= max_miss) & (pruned >= min_steps) & closes_ties
+    if not bool(ok.any()):
+        return 0.0
+    return float(values[ok.nonzero()[-1, 0]])
+
+
+# ---------------------------------------------------------------------------------- unified
+
+
+def graft_unified(
+    tree: DraftTree,
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    root_tokens: torch.Tensor,
+    table: SuccessorTable,
+    rank_probs: torch.Tensor,
+) -> DraftTree:
+    """One best-first selection over draft and retrieved candidates under DDTree's surrogate.
+
+    Every pool entry ``u`` gets an edge probability, the chance that it matches given that its
+    parent was accepted: ``q`` = the drafter's marginal of its token at its depth (0 outside
+    the top-K), ``a`` = the online acceptance rate of its retrieval rank (0 for a draft-only
+    node); a node that is both (merged) combines them as ``1 - (1 - q)(1 - a)``, the chance
+    that either source's evidence holds if they were independent. Its surrogate is the product
+    of edge probabilities along its path, and the ``B`` most probable entries are selected
+    (ties toward shallower nodes). Edge probabilities are at most 1, so the choice is prefix
+    closed.
+
+    Approximation: the candidates are the DDTree's ``B`` nodes and a best-first envelope of
+    ``B`` rank paths under ``rank_probs``; a draft node outside the DDTree (whose surrogate a
+    merged ancestor may have raised) is not a candidate.
+
+    Args:
+        tree: ``[bs, B]`` DDTree.
+        topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K.
+        root_tokens: ``[bs]`` bonus tokens.
+        table: the successor table.
+        rank_probs: ``[table.k]`` acceptance rate of each successor rank
+            (:meth:`~sglang_tree_spec.graft.template.RankAcceptance.rates`).
+    """
+    _check_inputs(tree, topk_tokens, root_tokens)
+    if rank_probs.shape != (table.k,):
+        raise ValueError(f"rank_probs must be [{table.k}], got {tuple(rank_probs.shape)}")
+    budget, depth_count = tree.budget, tree.max_depth
+    template = rank_template(rank_probs.to(tree.device), budget, depth_count)
+    pool = _build_pool(tree, template, topk_logprobs, topk_tokens, root_tokens, table)
+    q = draft_marginals(topk_logprobs, topk_tokens, pool.depths, pool.tokens).exp()
+    a = torch.where(pool.rank >= 0, rank_probs.to(q.device)[pool.rank.clamp_min(0)], 0.0)
+    log_edge = torch.log1p(-(1.0 - q) * (1.0 - a)).clamp_min(LOGPROB_FLOOR)  # [bs, N]
+    score = torch.zeros_like(log_edge)
+    parent = pool.parents.clamp_min(0)
+    for depth in range(1, depth_count + 1):  # parents are one depth up: done the round before
+        parent_score = torch.where(pool.parents >= 0, score.gather(1, parent), 0.0)
+        score = torch.where(pool.depths == depth, parent_score + log_edge, score)
+    score = torch.where(pool.valid, score, float("-inf"))
+    # Unique key: position in (score desc, depth asc, index asc) order.
+    by_depth = pool.depths.argsort(dim=1, stable=True)
+    position = best_first_position(score.gather(1, by_depth))
+    key = torch.empty_like(position).scatter_(1, by_depth, position)
+    return _select(pool, torch.where(pool.valid, key, _LAST), budget, depth_count)

@@ -1,0 +1,380 @@
+"""Graft: successor table semantics, rank templates, grafting policies, engine exactness."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from test_engine import (
+    PROMPTS,
+    chi_square_p_small,
+    exact_two_token_law,
+    random_drafter,
+    tiny_target,
+)
+from tree_helpers import assert_well_formed, node_paths, random_marginals
+
+from sglang_tree_spec.engine import SpecEngine
+from sglang_tree_spec.graft import (
+    UNKNOWN,
+    RankAcceptance,
+    StageConfig,
+    SuccessorTable,
+    calibrate_stage,
+    graft_stage,
+    graft_unified,
+    rank_template,
+    stage_confidences,
+)
+from sglang_tree_spec.graft.template import best_first_position
+from sglang_tree_spec.tree import build_ddtree
+
+FIELDS = ("tokens", "parents", "depths", "logprobs", "valid")
+
+# ------------------------------------------------------------------------ successor table
+
+
+def sequential_update(table: torch.Tensor, tokens, logits, valid) -> torch.Tensor:
+    """Reference: one row write per valid entry, in order (so the last writer wins)."""
+    out = table.clone()
+    for token, row, ok in zip(tokens.tolist(), logits, valid.tolist(), strict=True):
+        if ok:
+            out[token] = row.topk(table.shape[1]).indices.to(torch.int32)
+    return out
+
+
+def sequential_observe(table: torch.Tensor, sequences: list[list[int]]) -> torch.Tensor:
+    """Reference: each bigram in row-major order takes the first free rank if new to the row."""
+    out = table.clone()
+    for seq in sequences:
+        for a, b in itertools.pairwise(seq):
+            if a < 0 or b < 0:
+                continue
+            row = out[a].tolist()
+            if b not in row and UNKNOWN in row:
+                out[a, row.index(UNKNOWN)] = b
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_update_equals_sequential_reference(seed):
+    vocab, k, m = 40, 4, 64
+    g = torch.Generator().manual_seed(seed)
+    table = SuccessorTable(vocab, k)
+    table.observe(torch.randint(0, vocab, (2, 30), generator=g))
+    tokens = torch.randint(0, 12, (m,), generator=g)  # many duplicate rows
+    logits = torch.randn(m, vocab, generator=g)
+    valid = torch.rand(m, generator=g) < 0.7
+    expected = sequential_update(table.table, tokens, logits, valid)
+    table.update(tokens, logits, valid)
+    assert torch.equal(table.table, expected)
+    table.update(tokens, logits)  # no mask: every entry writes
+    assert torch.equal(table.table, sequential_update(expected, tokens, logits, torch.ones(m) > 0))
+
+
+def test_update_last_writer_wins_and_padding_never_writes():
+    table = SuccessorTable(8, k=2)
+    logits = torch.zeros(4, 8)
+    logits[0, [1, 2]] = torch.tensor([2.0, 1.0])
+    logits[1, [3, 4]] = torch.tensor([2.0, 1.0])
+    logits[2, [5, 6]] = torch.tensor([2.0, 1.0])
+    logits[3, [7, 0]] = torch.tensor([2.0, 1.0])
+    table.update(torch.tensor([3, 5, 3, 3]), logits, torch.tensor([True, True, True, False]))
+    assert table.table[3].tolist() == [5, 6]  # entry 2: the last valid writer of row 3
+    assert table.table[5].tolist() == [3, 4]
+    assert (table.table[[0, 1, 2, 4, 6, 7]] == UNKNOWN).all()
+
+
+def test_observe_fills_free_ranks_in_first_occurrence_order():
+    table = SuccessorTable(10, k=2)
+    table.observe(torch.tensor([[1, 2, 1, 3, 1, 2, 1, 4], [5, 6, -1, -1, -1, -1, -1, -1]]))
+    assert table.table[1].tolist() == [2, 3]  # 4 is surplus, the repeated 2 counted once
+    assert table.table[2].tolist() == [1, UNKNOWN]
+    assert table.table[5].tolist() == [6, UNKNOWN]
+    assert table.table[6].tolist() == [UNKNOWN, UNKNOWN]  # (6, -1) is padding
+    table.observe(torch.tensor([2, 7, 2, 1, 1, 9]))
+    assert table.table[2].tolist() == [1, 7]
+    assert table.table[1].tolist() == [2, 3]  # a full row is left alone
+    logits = torch.zeros(1, 10)
+    logits[0, 8], logits[0, 9] = 2.0, 1.0
+    table.update(torch.tensor([5]), logits)
+    table.observe(torch.tensor([5, 0]))
+    assert table.table[5].tolist() == [8, 9]  # target-written rows never change
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_observe_equals_sequential_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    table = SuccessorTable(9, k=3)
+    table.observe(torch.randint(0, 9, (1, 6), generator=g))
+    sequences = torch.randint(-1, 9, (3, 20), generator=g)
+    expected = sequential_observe(table.table, sequences.tolist())
+    table.observe(sequences)
+    assert torch.equal(table.table, expected)
+
+
+def test_lookup_rows_and_state_dict_round_trip():
+    table = SuccessorTable(10, k=3)
+    table.observe(torch.tensor([4, 7, 4, 8, 7, 1]))
+    parents = torch.tensor([4, 4, 7, 7, 7, UNKNOWN])
+    ranks = torch.tensor([0, 1, 0, 1, 2, 0])
+    assert table.lookup(parents, ranks).tolist() == [7, 8, 4, 1, UNKNOWN, UNKNOWN]
+    assert table.lookup(torch.tensor([[4], [7]]), torch.arange(3)).shape == (2, 3)  # broadcasts
+    assert table.lookup(torch.tensor(4), torch.tensor(2)).item() == UNKNOWN
+    assert table.rows(torch.tensor([4, UNKNOWN])).tolist() == [[7, 8, UNKNOWN], [UNKNOWN] * 3]
+    other = SuccessorTable(10, k=3)
+    other.load_state_dict(table.state_dict())
+    assert torch.equal(other.table, table.table)
+    state = table.state_dict()
+    table.reset()
+    assert not torch.equal(state["table"], table.table)  # state_dict is a copy
+    with pytest.raises(ValueError, match="does not fit"):
+        SuccessorTable(10, k=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="logits"):
+        table.update(torch.tensor([1, 2]), torch.zeros(2, 9))
+
+
+# ------------------------------------------------------------------- templates, statistics
+
+
+def test_rank_template_is_nested_prefix_closed_and_rank0_deepest():
+    probs = torch.tensor([0.7, 0.15, 0.08, 0.04])
+    full = rank_template(probs, 30, 6)
+    paths = node_paths(full.parents.tolist(), full.ranks.tolist(), full.valid.tolist())
+    for i, parent in enumerate(full.parents.tolist()):
+        if parent >= 0:
+            assert full.priority[parent] < full.priority[i]
+    deepest = int(full.depths.argmax())
+    assert paths[deepest] == (0,) * int(full.depths.max())
+    for n in (1, 5, 12):
+        small = rank_template(probs, n, 6)
+        small_paths = node_paths(small.parents.tolist(), small.ranks.tolist(), [True] * n)
+        best = [paths[i] for i in range(30) if full.priority[i] < n]
+        # Equal up to ties: paths with the same ranks in another order score the same.
+        assert sorted(sorted(p) for p in small_paths) == sorted(sorted(p) for p in best)
+    # A rank lattice smaller than the template pads.
+    tiny = rank_template(probs[:2], 10, 2)
+    assert tiny.valid.sum() == 6 and not tiny.valid[6:].any()
+
+
+def test_rank_acceptance_counts_known_ranks_only():
+    stats = RankAcceptance(2, strength=4.0)
+    before = stats.rates().clone()
+    rows = torch.tensor([[1, 2], [3, UNKNOWN], [5, 6]])
+    stats.observe(rows, torch.tensor([2, 3, 5]), torch.tensor([True, True, False]))
+    assert stats.trials.tolist() == [6.0, 5.0]
+    assert stats.hits.tolist() == pytest.approx((4.0 * before + 1).tolist())
+
+
+def test_calibration_bounds_the_misjudgment_rate():
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    conf = torch.rand(n, generator=g, dtype=torch.float64)
+    reached = (conf > 0.5) ^ (torch.rand(n, generator=g) < 0.1)  # 10% label noise
+    accept = torch.where(reached, 8, 0)
+    config = calibrate_stage(conf.unsqueeze(1), accept, StageConfig((3,), (0.0,), (0.5,)))
+    tau = config.thresholds[0]
+    assert 0.55 < tau < 0.68  # the analytic bound is 0.615
+    assert (reached[conf <= tau].double().mean()) <= 0.25
+    confident = calibrate_stage(conf.unsqueeze(1), torch.full((n,), 8), config)
+    assert confident.thresholds == (0.0,)
+    # Later checkpoints are calibrated on the steps that pass the earlier ones.
+    two = StageConfig((1, 3), (0.0, 0.0), (0.2, 0.5))
+    calibrated = calibrate_stage(torch.stack([conf, conf], 1), accept, two)
+    assert calibrated.thresholds[1] == 0.0
+    with pytest.raises(ValueError, match="increasing"):
+        StageConfig((2, 1), (0.1, 0.1), (0.1, 0.2))
+
+
+def test_stage_confidences_are_best_path_probabilities():
+    lp, _ = random_marginals(2, 4, 3, 20, seed=1)
+    conf = stage_confidences(lp, (1, 3, 9))
+    best = lp[:, :, 0].double().cumsum(1).exp()
+    assert conf[:, 0].tolist() == pytest.approx(best[:, 0].tolist(), rel=1e-5)
+    assert conf[:, 1].tolist() == pytest.approx(best[:, 2].tolist(), rel=1e-5)
+    assert conf[:, 2].tolist() == pytest.approx(best[:, 3].tolist(), rel=1e-5)
+
+
+# --------------------------------------------------------------------------------- policies
+
+
+def random_table(vocab: int, k: int, seed: int, known_rows: float = 0.6) -> SuccessorTable:
+    """A table with target-written rows, bigram-filled partial rows and unknown rows."""
+    g = torch.Generator().manual_seed(seed)
+    table = SuccessorTable(vocab, k)
+    rows = torch.nonzero(torch.rand(vocab, generator=g) < known_rows).flatten()
+    table.update(rows, torch.randn(rows.shape[0], vocab, generator=g))
+    table.observe(torch.randint(0, vocab, (1, vocab), generator=g))
+    return table
+
+
+def assert_grafted_from(out, tree, table, roots) -> None:
+    """Every node is a draft path or a retrieved token: a known entry of its parent's row."""
+    for b in range(out.batch_size):
+        valid = out.valid[b].tolist()
+        draft = set(
+            node_paths(tree.parents[b].tolist(), tree.tokens[b].tolist(), tree.valid[b].tolist())
+        )
+        paths = node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), valid)
+        for path in paths[: sum(valid)]:
+            if path in draft:
+                continue
+            parent_token = path[-2] if len(path) > 1 else int(roots[b])
+            row = table.table[parent_token].tolist()
+            assert path[-1] in row and path[-1] != UNKNOWN
+
+
+POLICY_CASES = [  # (depth L, top-K, budget, table k)
+    (1, 3, 5, 2),
+    (3, 2, 6, 3),
+    (4, 4, 16, 4),
+    (6, 8, 40, 8),
+    (8, 3, 1, 4),
+]
+
+
+@pytest.mark.parametrize(("depth", "k", "budget", "table_k"), POLICY_CASES)
+@pytest.mark.parametrize("seed", range(3))
+def test_policies_keep_the_tree_contract(depth, k, budget, table_k, seed):
+    vocab, bs = 24, 3
+    lp, tok = random_marginals(bs, depth, k, vocab, seed=seed, sharpness=2.0)
+    tree = build_ddtree(lp, tok, budget)
+    table = random_table(vocab, table_k, seed)
+    roots = torch.randint(0, vocab, (bs,), generator=torch.Generator().manual_seed(seed))
+    thresholds = tuple(
+        float(x) for x in torch.rand(3, generator=torch.Generator().manual_seed(seed))
+    )
+    outputs = [
+        graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=thresholds)),
+        graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=(1.0, 1.0, 1.0))),
+        graft_unified(tree, lp, tok, roots, table, torch.linspace(0.6, 0.05, table_k)),
+    ]
+    for out in outputs:
+        assert out.tokens.shape == tree.tokens.shape and out.max_depth == tree.max_depth
+        assert all(getattr(out, f).dtype == getattr(tree, f).dtype for f in FIELDS)
+        assert_well_formed(out, lp, tok)
+        assert_grafted_from(out, tree, table, roots)
+        assert (out.valid.sum(1) >= tree.valid.sum(1)).all()  # retrieval never empties a slot
+
+
+def test_stage_keeps_the_draft_tree_when_confident():
+    lp, tok = random_marginals(3, 5, 4, 30, seed=3)
+    tree = build_ddtree(lp, tok, 12)
+    out = graft_stage(
+        tree,
+        lp,
+        tok,
+        torch.tensor([1, 2, 3]),
+        random_table(30, 4, 0),
+        StageConfig(thresholds=(0.0, 0.0, 0.0)),
+    )
+    for field in FIELDS:
+        assert torch.equal(getattr(out, field), getattr(tree, field)), field
+
+
+def test_stage_keeps_the_best_draft_nodes_when_pruning():
+    lp, tok = random_marginals(3, 5, 4, 30, seed=4, sharpness=1.0)
+    budget = 24
+    tree = build_ddtree(lp, tok, budget)
+    roots = torch.tensor([5, 6, 7])
+    table = random_table(30, 4, 1, known_rows=1.0)
+    config = StageConfig(thresholds=(1.0, 1.0, 1.0))  # the first checkpoint always prunes
+    out = graft_stage(tree, lp, tok, roots, table, config)
+    keep = config.keep_counts(budget)[0]
+    position = best_first_position(tree.logprobs)
+    for b in range(3):
+        draft = node_paths(
+            tree.parents[b].tolist(), tree.tokens[b].tolist(), tree.valid[b].tolist()
+        )
+        kept = {draft[i] for i in range(budget) if position[b, i] < keep}
+        paths = set(
+            node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), out.valid[b].tolist())
+        )
+        assert kept <= paths
+        assert len(paths - set(draft)) >= budget - keep - 4  # the rest is mostly retrieved
+    assert out.valid.all()
+
+
+def test_unknown_successors_are_never_grafted():
+    lp, tok = random_marginals(2, 4, 4, 30, seed=5)
+    tree = build_ddtree(lp, tok, 10)
+    empty = SuccessorTable(30, 4)
+    roots = torch.tensor([1, 2])
+    for out in (
+        graft_stage(tree, lp, tok, roots, empty, StageConfig(thresholds=(1.0, 1.0, 1.0))),
+        graft_unified(tree, lp, tok, roots, empty, torch.full((4,), 0.5)),
+    ):
+        for field in ("tokens", "parents", "depths", "valid"):
+            assert torch.equal(getattr(out, field), getattr(tree, field)), field
+
+
+def test_unified_merges_a_retrieved_token_with_its_draft_twin():
+    a, b, c, root = 4, 5, 6, 1
+    lp = torch.tensor([[[math.log(0.5), math.log(0.3)]]])
+    tok = torch.tensor([[[a, b]]])
+    tree = build_ddtree(lp, tok, 2)
+    table = SuccessorTable(10, k=2)
+    logits = torch.zeros(1, 10)
+    logits[0, c], logits[0, a] = 2.0, 1.0
+    table.update(torch.tensor([root]), logits)  # row root: [c, a]
+    roots = torch.tensor([root])
+    # a: 1 - (1 - 0.5)(1 - 0.35) = 0.675 (merged), b: 0.3, c: 0.4 -> {a, c}
+    out = graft_unified(tree, lp, tok, roots, table, torch.tensor([0.4, 0.35]))
+    assert out.tokens[0].tolist() == [a, c] and out.valid.all()
+    assert out.logprobs[0, 0].item() == pytest.approx(math.log(0.5))
+    # c: 0.2 < b: 0.3 -> the draft tree
+    out = graft_unified(tree, lp, tok, roots, table, torch.tensor([0.2, 0.35]))
+    assert out.tokens[0].tolist() == [a, b]
+
+
+# --------------------------------------------------------------------------------- engine
+
+NEW_TOKENS = 16
+ALWAYS_RETRIEVE = StageConfig(thresholds=(1.0, 1.0, 1.0), keep_fractions=(0.0, 0.0, 0.0))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target_and_ar(request):
+    target = tiny_target(request.param)
+    ar = SpecEngine(target, method="ar").generate(PROMPTS, NEW_TOKENS, stop_token_ids=[])
+    return request.param, target, [r.tokens for r in ar]
+
+
+@pytest.mark.parametrize("method", ["ddtree-graft-stage", "ddtree-graft-unified"])
+def test_greedy_grafting_equals_plain_decoding(target_and_ar, method):
+    arch, target, ar_tokens = target_and_ar
+    # Qwen3 prunes at the default thresholds; Llama verifies pure retrieval trees.
+    stage = ALWAYS_RETRIEVE if arch == "llama" else None
+    engine = SpecEngine(target, random_drafter(target, 8, seed=3), method, budget=12, stage=stage)
+    engine.confidence_log = []
+    results = engine.generate(PROMPTS, NEW_TOKENS, stop_token_ids=[])
+    assert [r.tokens for r in results] == ar_tokens
+    assert all(r.finish_reason == "length" for r in results)
+    assert (engine.successors.table != UNKNOWN).any(dim=1).sum() > len(
+        {t for p in PROMPTS for t in p}
+    )
+    # The target's own successors are accepted: more than one token per step on average.
+    assert sum(r.stats.tau for r in results) / len(results) > 1.0
+    confidence, accept_len = engine.confidence_log[0]
+    assert confidence.shape == (len(PROMPTS), 3) and accept_len.shape == (len(PROMPTS),)
+
+
+@pytest.mark.parametrize(
+    ("method", "stage"), [("ddtree-graft-stage", ALWAYS_RETRIEVE), ("ddtree-graft-unified", None)]
+)
+def test_sampling_with_grafting_follows_the_target_distribution(method, stage):
+    vocab, n = 12, 2000
+    target = tiny_target("llama", seed=4, vocab=vocab)
+    with torch.no_grad():  # sharpen the target so that retrieved successors are accepted often
+        target.lm_head.weight.mul_(6.0)
+    engine = SpecEngine(target, random_drafter(target, 4, seed=2), method, budget=8, stage=stage)
+    prompt = [3, 7, 1]
+    engine.generate([prompt, [5, 2, 9, 9]], 12, stop_token_ids=[])  # warm the table
+    results = engine.generate([prompt] * n, 2, temperature=1.0, stop_token_ids=[], seed=99)
+    counts = Counter(tuple(r.tokens[:2]) for r in results)
+    stat, critical = chi_square_p_small(counts, exact_two_token_law(target, prompt, 1.0, 1.0), n)
+    assert stat < critical, (stat, critical)
+    assert sum(r.stats.commit_lengths[1] > 1 for r in results) > n // 20  # grafts accepted
