@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _tree_demo(args: argparse.Namespace) -> int:
@@ -47,6 +48,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from sglang_tree_spec import demo
+
+    return demo.run(args.pair, tuple(args.budgets), args.num_prompts, args.max_new_tokens)
+
+
+def _build_small_pair(args: argparse.Namespace) -> int:
+    from sglang_tree_spec.models.small_pair import run_build_small_pair
+
+    return run_build_small_pair(args)
+
+
 def _train_drafter(args: argparse.Namespace) -> int:
     from sglang_tree_spec.models.train_dflash import run_train_drafter
 
@@ -62,13 +75,22 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser(
+    tree_demo = commands.add_parser(
         "tree-demo", help="optimal DDTree trees vs the DFlash chain on embedded marginals"
     )
+    tree_demo.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    tree_demo.add_argument("--samples", type=int, default=4000, help="simulated verify steps")
+    tree_demo.add_argument("--seed", type=int, default=0)
+    tree_demo.set_defaults(handler=_tree_demo)
+
+    demo = commands.add_parser(
+        "demo", help="ar vs DFlash chain vs DDTree on the committed small pair (CPU)"
+    )
+    demo.add_argument("--pair", type=Path, default=None, help="directory with target/, drafter/")
     demo.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
-    demo.add_argument("--samples", type=int, default=4000, help="simulated verify steps")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(handler=_tree_demo)
+    demo.add_argument("--num-prompts", type=int, default=8)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.set_defaults(handler=_demo)
 
     gen = commands.add_parser("generate", help="generate with ar, chain or ddtree; print stats")
     gen.add_argument("--target", required=True, help="transformers target model directory")
@@ -89,11 +111,18 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="model zoo: drafter training")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     train = model_commands.add_parser("train-drafter", help="train a DFlash drafter")
+    pair = model_commands.add_parser(
+        "build-small-pair",
+        help="train the small target + DFlash drafter pair (~30 min, 2 CPU cores)",
+    )
     if with_models:
+        from sglang_tree_spec.models.small_pair import add_build_small_pair_args
         from sglang_tree_spec.models.train_dflash import add_train_drafter_args
 
         add_train_drafter_args(train)
+        add_build_small_pair_args(pair)
     train.set_defaults(handler=_train_drafter)
+    pair.set_defaults(handler=_build_small_pair)
     return parser
 
 
