@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -114,6 +115,7 @@ def main() -> None:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "repeats": args.repeats,
+            "load_average_1_5_15min": os.getloadavg(),  # other work sharing the machine
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
