@@ -85,3 +85,10 @@ def test_cli_reports_bad_training_input_in_one_line(tmp_path):
     )
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
+
+
+def test_generate_offers_every_engine_method():
+    from sglang_tree_spec.cli import GENERATE_METHODS
+    from sglang_tree_spec.engine import METHODS
+
+    assert tuple(GENERATE_METHODS) == tuple(METHODS)
