@@ -299,9 +299,7 @@ class SpecEngine:
             torch.Generator(device=self.device).manual_seed(base_seed + i) for i in range(bs)
         ]
         last_logits = out.logits[torch.arange(bs), lengths - 1]  # [bs, V]
-        uniforms = torch.stack(
-            [torch.rand((), generator=g, device=self.device) for g in generators]
-        )
+        uniforms = self._coins(generators, 1, sampling)[:, 0]
         bonus = sample_tokens(last_logits, *self._sampling_rows(sampling, bs), uniforms=uniforms)
         draft_cache = None
         if self.drafter is not None:
@@ -375,9 +373,8 @@ class SpecEngine:
         start = self._timed(stats, ids, "verify", start)
 
         width = tokens.shape[1]
-        uniforms = torch.stack(
-            [torch.rand(width + 1, generator=g, device=self.device) for g in batch.generators]
-        )  # [bs, W + 1]: a coin per node, then one for the bonus
+        # [bs, W + 1]: a coin per node, then one for the bonus
+        uniforms = self._coins(batch.generators, width + 1, sampling)
         rows = self._sampling_rows(sampling, bs)
         if tree is None:
             bonus = sample_tokens(out.logits[:, 0], *rows, uniforms=uniforms[:, -1])
@@ -411,6 +408,14 @@ class SpecEngine:
         return [rows_out[row][: lens[row]] for row in range(bs)]
 
     # ------------------------------------------------------------------------- bookkeeping
+
+    def _coins(self, generators: list[torch.Generator], count: int, sampling) -> torch.Tensor:
+        """``[bs, count]`` uniforms, row ``i`` from request ``i``'s own generator, so a seeded
+        request draws the same coins whatever batch it runs in. Greedy decoding uses no coin:
+        zeros, without a per-request loop."""
+        if sampling[0] <= 0:
+            return torch.zeros(len(generators), count, device=self.device)
+        return torch.stack([torch.rand(count, generator=g, device=g.device) for g in generators])
 
     def _sampling_rows(self, sampling, bs: int) -> tuple[torch.Tensor, ...]:
         temperature, top_k, top_p = sampling
