@@ -188,33 +188,52 @@ def _depth_beams(
     Returns:
         ``scores`` ``[bs, L'*B]``: depth-major beam scores of the L' <= L computed depths
         (L' = L unless stopped early), -inf where a depth has fewer than B prefixes;
-        ``picked`` ``[bs, max(L'-1, 1)*B]``: for beams of depth >= 2, the index into
-        :func:`_candidate_pairs` of each entry's (parent beam position, token rank).
+        ``pair_index`` ``[bs, L'*B]``: for every beam entry, its index into the extended pair
+        table of :func:`_pair_table` (depth 1: ``M + beam position``; deeper: the index of its
+        (parent beam position, token rank) pair).
     """
     bs, depth_count, k = lp.shape
     first = lp.new_full((bs, budget), float("-inf"))
     first[:, :k] = lp[:, 0, :]
-    scores, picked = [first], []
-    cand_parent, cand_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
+    pair_parent, pair_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
+    first_pairs = torch.arange(budget, device=lp.device).add_(pair_rank.numel())
+    scores, pair_index = [first], [first_pairs.expand(bs, budget)]
+    beam = first
     floor = first[:, -1]  # [bs] a B-th best score so far: the worst entry of a full beam
     for d in range(1, depth_count):
-        if stop_early and bool((scores[-1][:, 0] + lp[:, d, 0] <= floor).all()):
+        if stop_early and bool((beam[:, 0] + lp[:, d, 0] <= floor).all()):
             break
-        candidates = scores[-1].index_select(1, cand_parent) + lp[:, d].index_select(1, cand_rank)
+        candidates = beam.index_select(1, pair_parent)  # [bs, M] parent scores
+        candidates.add_(lp[:, d].index_select(1, pair_rank))  # + token log-probs
         beam, index = torch.topk(candidates, budget, dim=1, sorted=True)  # [bs, B]
         scores.append(beam)  # extensions of -inf padding stay -inf
-        picked.append(index)
+        pair_index.append(index)
         floor = torch.maximum(floor, beam[:, -1])
-    if not picked:  # a single depth: keep one block so that gathers stay in range
-        picked.append(torch.zeros(bs, budget, dtype=torch.long, device=lp.device))
-    return torch.cat(scores, dim=1), torch.cat(picked, dim=1)
+    return torch.cat(scores, dim=1), torch.cat(pair_index, dim=1)
+
+
+@functools.cache
+def _pair_table(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_candidate_pairs` extended by B depth-1 entries, for decoding any beam entry.
+
+    Returns:
+        ``(parent_position, rank)``, both int64 ``[M + B]``: entry ``M + j`` is depth-1 beam
+        position ``j``, whose parent position is 0 (unused: the root) and whose rank is ``j``
+        (clamped to ``k - 1``; positions ``>= k`` are -inf padding).
+    """
+    pair_parent, pair_rank = _candidate_pairs(budget, k, device)
+    positions = torch.arange(budget, device=device)
+    return (
+        torch.cat([pair_parent, torch.zeros_like(positions)]),
+        torch.cat([pair_rank, positions.clamp_max(k - 1)]),
+    )
 
 
 def _select_best_first(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Indices of the ``budget`` best entries in breadth-first order.
 
     Args:
-        scores: ``[bs, N]`` depth-major beam scores (-inf = padding).
+        scores: ``[bs, N]`` depth-major beam scores, all ``<= 0`` (-inf = padding).
 
     Returns:
         ``[bs, budget]`` indices into ``scores``: the best by (score desc, index asc) -- the
@@ -222,13 +241,12 @@ def _select_best_first(scores: torch.Tensor, budget: int) -> torch.Tensor:
         beam order), with any padding after every real entry.
     """
     n = scores.shape[1]
-    # Unique int64 keys ordered like (score desc, index asc): the float32 bits mapped to an
-    # order-preserving int32, then the reversed index in the low 32 bits. No stable sort needed.
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0: equal scores tie
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    reverse_index = (n - 1) - torch.arange(n, device=scores.device)
-    keys = ordered * (1 << 32) + reverse_index  # low 32 bits of ordered * 2**32 are zero
-    best = torch.topk(keys, budget, dim=1, sorted=False).indices  # [bs, budget]
+    # Unique int64 keys, smallest first in (score desc, index asc) order: 0.0 - score is >= +0.0
+    # (never -0.0, so equal scores tie) and the int32 bits of a non-negative float grow with its
+    # value; the index fills the low 32 bits.
+    negated_bits = (0.0 - scores).view(torch.int32).to(torch.int64)
+    keys = (negated_bits << 32) | torch.arange(n, device=scores.device)
+    best = torch.topk(keys, budget, dim=1, largest=False, sorted=False).indices  # [bs, budget]
     is_real = scores.gather(1, best) > float("-inf")
     bfs_key = torch.where(is_real, best, best + n)
     return bfs_key.sort(dim=1).values % n
@@ -264,24 +282,24 @@ def build_ddtree(
     lp = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR)  # [bs, L, k] finite
 
     stop_early = lp.device.type == "cpu"  # host tensors: reading a flag costs nothing
-    beam_scores, picked = _depth_beams(lp, budget, stop_early)  # [bs, L'*B], [bs, (L'-1)*B]
+    beam_scores, pair_index = _depth_beams(lp, budget, stop_early)  # both [bs, L'*B]
     chosen = _select_best_first(beam_scores, budget)  # [bs, B] flat beam indices, BFS order
     depth0 = chosen // budget  # 0-based depth
-    beam_pos = chosen % budget
+    depth_start = depth0 * budget  # flat index of the chosen entry's beam start
 
     # Decode each chosen beam entry: its token rank and its parent's beam position.
-    cand_parent, cand_rank = _candidate_pairs(budget, k, device)
-    cand = picked.gather(1, (chosen - budget).clamp_min(0))
-    ranks = torch.where(depth0 > 0, cand_rank[cand], beam_pos.clamp_max(k - 1))
+    parent_position, rank = _pair_table(budget, k, device)
+    pair = pair_index.gather(1, chosen)
+    ranks = rank.take(pair)
     tokens = topk_tokens[..., :k].to(torch.long).flatten(1).gather(1, depth0 * k + ranks)
     logprobs = beam_scores.gather(1, chosen)
     valid = logprobs > float("-inf")
 
     # Parent: the chosen beam entry one depth up, mapped from flat beam index to node index.
-    node_of_flat = torch.full_like(beam_scores, -1, dtype=torch.long)
-    node_of_flat.scatter_(1, chosen, torch.arange(budget, device=device).expand(bs, budget))
-    parent_flat = ((depth0 - 1) * budget + cand_parent[cand]).clamp_min(0)
-    parents = torch.where(depth0 > 0, node_of_flat.gather(1, parent_flat), -1)
+    # Column block 0 of ``node_of_flat`` stands for "depth 0": the root, node -1.
+    node_of_flat = torch.full((bs, budget + beam_scores.shape[1]), -1, device=device)
+    node_of_flat.scatter_(1, chosen + budget, torch.arange(budget, device=device).expand(bs, -1))
+    parents = node_of_flat.gather(1, depth_start + parent_position.take(pair))
 
     return DraftTree(
         tokens=torch.where(valid, tokens, 0),
