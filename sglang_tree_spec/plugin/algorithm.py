@@ -72,10 +72,9 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
 def worker_factory(server_args: Any) -> type:
     """The speculative worker class SGLang instantiates for DDTREE."""
-    raise NotImplementedError(
-        f"{ALGORITHM}: the SGLang speculative worker is not implemented yet; the algorithm, "
-        "its flags and its start-up validation are registered"
-    )
+    from sglang_tree_spec.plugin.worker import ddtree_worker_class
+
+    return ddtree_worker_class()
 
 
 def register_algorithm() -> None:

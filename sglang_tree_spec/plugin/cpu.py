@@ -21,6 +21,64 @@ def native_rotary_on_cpu(*args: Any, **kwargs: Any) -> None:
         base._is_cpu = True
 
 
+def native_kv_move_on_cpu(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND hook on ``MHATokenToKVPool._init_kv_copy_and_warmup``: no Triton on CPU.
+
+    A speculative server sizes a KV pool that can move KV rows (accepted tree nodes are moved
+    to their final slots), and 0.5.17 warms a Triton copy kernel for that, which needs a GPU.
+    On CPU the pool uses its native torch move instead (what ``SGLANG_NATIVE_MOVE_KV_CACHE=1``
+    selects). Mirrored by ``patches/sglang-0.5.17/0005-native-kv-move-on-cpu.diff``.
+    """
+    if torch.device(pool.device).type != "cpu":
+        return original(pool, *args, **kwargs)
+    pool._kv_copy_config = None
+    pool.use_native_move_kv_cache = True
+    return None
+
+
+def torch_native_draft_backend_on_cpu(original: Any, *args: Any, **kwargs: Any) -> str:
+    """AROUND hook on ``draft_worker_common._resolve_draft_attention_backend_fallback``.
+
+    SGLang's draft workers accept GPU attention backends only and fall back to flashinfer;
+    on CPU the drafter must run on the torch-native backend like the target. Mirrored by
+    ``patches/sglang-0.5.17/0006-torch-native-draft-backend-on-cpu.diff``.
+    """
+    draft_args = kwargs.get("draft_server_args", args[0] if args else None)
+    if draft_args is not None and str(draft_args.device) == "cpu":
+        return "torch_native"
+    return original(*args, **kwargs)
+
+
+def assign_req_to_token_on_cpu(
+    original: Any,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    batch_size: int,
+) -> None:
+    """AROUND hook on ``mem_cache.allocation.assign_req_to_token_pool_func``: torch on CPU.
+
+    Writes ``req_to_token[req, start:end] = out_cache_loc[segment]`` for every request, the
+    segments of ``out_cache_loc`` laid end to end. SGLang's CPU version needs its sgl_kernel
+    CPU engine and its other version is a Triton kernel. Mirrored by
+    ``patches/sglang-0.5.17/0007-assign-req-to-token-on-cpu.diff``.
+    """
+    if req_to_token.device.type != "cpu":
+        return original(
+            req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size
+        )
+    start = start_offset[:batch_size].to(torch.long)
+    lengths = end_offset[:batch_size].to(torch.long) - start  # [bs]
+    rows = req_pool_indices[:batch_size].to(torch.long).repeat_interleave(lengths)
+    segment_start = torch.cumsum(lengths, 0) - lengths  # offset of each segment
+    within = torch.arange(int(lengths.sum())) - segment_start.repeat_interleave(lengths)
+    columns = start.repeat_interleave(lengths) + within
+    req_to_token[rows, columns] = out_cache_loc[: columns.numel()].to(req_to_token.dtype)
+    return None
+
+
 def serving_device() -> str:
     """The ``--device`` of this SGLang process (a guess from torch before args are published)."""
     from sglang.srt.runtime_context import get_server_args
@@ -29,3 +87,100 @@ def serving_device() -> str:
         return str(get_server_args().device)
     except ValueError:  # "Global server args is not set yet!"
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tree_verify_torch_backend() -> type:
+    """``TorchNativeAttnBackend`` plus TARGET_VERIFY, for a REPLACE hook on that class.
+
+    SGLang 0.5.17's torch-native backend (the one that runs on CPU) has no target-verify path:
+    a verify batch has no ``extend_*_lens``. The subclass adds it and changes nothing else.
+    Each request's ``W`` query tokens attend to its cached prefix and to the window, with
+
+    * the custom mask of the verify input (SGLang's flat FULL_MASK: ``W`` rows by
+      ``prefix + W`` columns per request) when there is one -- the DDTREE tree verify;
+    * every window token, for non-causal layers (a DFlash drafter's block is ENCODER_ONLY);
+    * a causal window otherwise (a chain verify).
+
+    Mirrored by ``patches/sglang-0.5.17/0004-torch-native-target-verify.diff``.
+    """
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    class TreeVerifyTorchNativeAttnBackend(TorchNativeAttnBackend):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if not forward_batch.forward_mode.is_target_verify():
+                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            if save_kv_cache and k is not None and v is not None:
+                self.token_to_kv_pool.set_kv_buffer(
+                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+                )
+            heads, kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
+            query = q.reshape(-1, heads, layer.qk_head_dim)  # [bs * W, H, D]
+            out = q.new_empty(query.shape[0], heads, layer.v_head_dim)
+            bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
+            mask = forward_batch.spec_info.custom_mask if not bidirectional else None
+            verify_attention(
+                query,
+                out,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                flat_mask=mask,
+                causal=not bidirectional,
+                scale=layer.scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            return out.view(out.shape[0], -1)
+
+    return TreeVerifyTorchNativeAttnBackend
+
+
+def verify_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    *,
+    flat_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> None:
+    """Attention of every request's ``W`` verify tokens over its prefix and window.
+
+    Args:
+        query: ``[bs * W, H, D]``; out: ``[bs * W, H, Dv]``, written in place.
+        k_cache, v_cache: ``[slots, H_kv, D]`` KV pools; the window's KV is already written
+            at ``req_to_token[req, prefix : prefix + W]``.
+        prefix_lens: ``[bs]`` cached tokens before the window.
+        flat_mask: SGLang FULL_MASK (True = may attend) or None.
+        causal: without a mask, window token ``i`` sees window tokens ``<= i``; else all.
+    """
+    bs = prefix_lens.shape[0]
+    window = query.shape[0] // bs
+    offset = 0
+    for b, prefix in enumerate(prefix_lens.tolist()):
+        kv_len = prefix + window
+        slots = req_to_token[req_pool_indices[b], :kv_len].to(torch.long)
+        allowed = None
+        if flat_mask is not None:
+            allowed = flat_mask[offset : offset + window * kv_len].view(window, kv_len)
+            offset += window * kv_len
+        elif causal:
+            allowed = torch.ones(window, kv_len, dtype=torch.bool, device=query.device).tril(
+                prefix
+            )
+        rows = slice(b * window, (b + 1) * window)
+        q_b = query[rows].transpose(0, 1)  # [H, W, D]
+        k_b = k_cache[slots].transpose(0, 1).to(q_b.dtype)  # [H_kv, kv_len, D]
+        v_b = v_cache[slots].transpose(0, 1).to(q_b.dtype)
+        o_b = torch.nn.functional.scaled_dot_product_attention(
+            q_b, k_b, v_b, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa
+        )
+        out[rows] = o_b.transpose(0, 1)

@@ -36,6 +36,30 @@ def _native_rotary_on_cpu() -> Callable[..., None]:
     return native_rotary_on_cpu
 
 
+def _tree_verify_torch_backend() -> type:
+    from sglang_tree_spec.plugin.cpu import tree_verify_torch_backend
+
+    return tree_verify_torch_backend()
+
+
+def _native_kv_move_on_cpu() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.cpu import native_kv_move_on_cpu
+
+    return native_kv_move_on_cpu
+
+
+def _torch_native_draft_backend_on_cpu() -> Callable[..., str]:
+    from sglang_tree_spec.plugin.cpu import torch_native_draft_backend_on_cpu
+
+    return torch_native_draft_backend_on_cpu
+
+
+def _assign_req_to_token_on_cpu() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.cpu import assign_req_to_token_on_cpu
+
+    return assign_req_to_token_on_cpu
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         target="sglang.srt.server_args.ServerArgs",
@@ -45,11 +69,50 @@ HOOKS: tuple[Hook, ...] = (
         reason="add the --speculative-ddtree-* fields (CLI, Engine kwargs, config bags)",
     ),
     Hook(
+        target="sglang.srt.entrypoints.engine.Engine.server_args_class",
+        kind="REPLACE",
+        make=_ddtree_server_args,
+        patch="0001-server-args-ddtree-flags.diff",
+        reason="sglang.Engine binds its ServerArgs class before plugins load; it must build "
+        "(and pickle) the same class as the CLI",
+    ),
+    Hook(
         target="sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__",
         kind="BEFORE",
         make=_native_rotary_on_cpu,
         patch="0002-rotary-native-on-cpu.diff",
         reason="--device cpu without SGLANG_USE_CPU_ENGINE must not import vllm's rotary kernel",
+    ),
+    Hook(
+        target="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+        kind="AROUND",
+        make=_native_kv_move_on_cpu,
+        patch="0005-native-kv-move-on-cpu.diff",
+        reason="a speculative KV pool warms a Triton copy kernel; on CPU use the native move",
+    ),
+    Hook(
+        target="sglang.srt.speculative.draft_worker_common._resolve_draft_attention_backend_fallback",
+        kind="AROUND",
+        make=_torch_native_draft_backend_on_cpu,
+        patch="0006-torch-native-draft-backend-on-cpu.diff",
+        reason="draft workers fall back to flashinfer for any non-GPU backend; on CPU keep "
+        "torch_native",
+    ),
+    Hook(
+        target="sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
+        kind="AROUND",
+        make=_assign_req_to_token_on_cpu,
+        patch="0007-assign-req-to-token-on-cpu.diff",
+        reason="speculative decode slot assignment is a Triton kernel (or sgl_kernel's CPU "
+        "engine); on CPU write the slots with torch",
+    ),
+    Hook(
+        target="sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+        kind="REPLACE",
+        make=_tree_verify_torch_backend,
+        patch="0004-torch-native-target-verify.diff",
+        reason="the torch-native (CPU) backend has no TARGET_VERIFY: tree-masked verify, "
+        "non-causal drafter block",
     ),
 )
 

@@ -209,6 +209,8 @@ def apply_defaults(server_args: Any) -> None:
             drafter.block_size,
             drafter.block_size - 1,
         )
+    if server_args.device == "cpu" and server_args.speculative_draft_attention_backend is None:
+        server_args.speculative_draft_attention_backend = "torch_native"  # SGLang picks a GPU one
     if server_args.enable_mixed_chunk:
         server_args.enable_mixed_chunk = False
         logger.warning("%s: mixed chunked prefill is disabled", ALGORITHM)

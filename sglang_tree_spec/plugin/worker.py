@@ -1,0 +1,270 @@
+"""The DDTREE speculative worker: SGLang 0.5.17's DFlash worker with a tree verify.
+
+Prefill is DFlash's own (the target captures its hidden states at the drafter's layers and
+they are projected into the draft KV cache). Each decode step then:
+
+1. drafts one block ``[bonus, MASK x (block - 1)]`` with the DFlash drafter (one forward);
+2. takes per-position top-K log-probs of slots ``1..L`` through the target's LM head;
+3. builds the DDTree of ``budget`` nodes (:func:`sglang_tree_spec.tree.build_ddtree`) and its
+   verify layout: ``W = budget + 1`` window slots at positions ``prefix + depth``, written to
+   KV slots ``prefix .. prefix + W - 1`` of each request, with SGLang's FULL_MASK tree mask;
+4. verifies the whole tree in one target forward and accepts with the target's own rule
+   (:func:`greedy_accept` / :func:`sample_accept`);
+5. moves the accepted path's target KV to the contiguous slots ``prefix .. prefix + a`` and
+   writes the drafter's context KV for those tokens from the target hidden states;
+6. returns ``a + 1`` committed tokens per request (accepted drafts, then the bonus).
+
+Every request keeps ``W`` verify slots, so shapes are fixed for a batch size. The worker runs
+synchronously (no overlap scheduling) with TP 1; the decode step reads nothing on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sglang_tree_spec.tree import (
+    build_ddtree,
+    build_verify_layout,
+    full_mask_indptr,
+    greedy_accept,
+    sample_accept,
+    topk_from_logits,
+    write_full_mask,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def ddtree_worker_class() -> type:
+    """:class:`DDTreeWorker`, defined on first use (it subclasses an SGLang class)."""
+    global _WORKER_CLASS
+    if _WORKER_CLASS is None:
+        _WORKER_CLASS = _define_worker()
+    return _WORKER_CLASS
+
+
+_WORKER_CLASS: type | None = None
+
+
+def _define_worker() -> type:
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+    from sglang.srt.speculative.draft_worker_common import (
+        build_block_pos_offsets,
+        make_draft_block_spec_info,
+        make_draft_input_v2,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class DDTreeWorker(DFlashWorkerV2):
+        """DFlash drafting, a DDTree of ``budget`` nodes, one tree verify per step."""
+
+        def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(server_args, *args, **kwargs)
+            if self.ps.tp_size != 1:
+                raise NotImplementedError("DDTREE: --tp-size > 1 is not supported yet")
+            # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
+            # that is the verify window (budget + 1) and the block is the drafter's.
+            self.block_size = int(server_args.speculative_dflash_block_size)
+            self.budget = int(server_args.speculative_num_draft_tokens) - 1
+            self.window = self.budget + 1
+            # Top-K per depth: the budget by default, which makes the tree exact.
+            self.topk = int(getattr(server_args, "speculative_ddtree_topk", None) or self.budget)
+            self._block_pos_offsets = build_block_pos_offsets(
+                length=self.block_size, device=self.device
+            )
+            self._draft_block_spec_info = make_draft_block_spec_info(
+                draft_token_num=self.block_size, device=self.device
+            )
+            self._use_fused_kv_materialize = False
+            self._fused_kv_helper = None
+            self._draft_sampler = None
+            logger.info(
+                "DDTREE worker: budget %d (window %d), drafter block %d, top-K %d",
+                self.budget,
+                self.window,
+                self.block_size,
+                self.topk,
+            )
+
+        def init_cuda_graphs(self) -> None:
+            self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
+
+        def forward_batch_generation(
+            self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None
+        ) -> Any:
+            if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if batch.forward_mode.is_idle():
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if batch.has_grammar:
+                raise NotImplementedError("DDTREE: grammar-constrained decoding is not supported")
+            return self._decode_step(batch, on_publish)
+
+        # --- one decode step --------------------------------------------------------------
+
+        def _decode_step(self, batch: Any, on_publish: Any) -> Any:
+            bs = len(batch.seq_lens)
+            prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
+            bonus = batch.spec_info.bonus_tokens.to(torch.int64)  # [bs] slot-0 tokens
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+
+            topk_logprobs, topk_tokens = self._draft_topk(batch, bonus, prefix_lens)
+            tree = build_ddtree(topk_logprobs, topk_tokens, self.budget, validate=False)
+            layout = build_verify_layout(tree, bonus, prefix_lens)
+
+            window_pos = prefix_lens[:, None] + torch.arange(self.window, device=self.device)
+            window_locs = req_to_token[batch.req_pool_indices[:, None], window_pos].to(
+                torch.int64
+            )  # [bs, W] KV slots reserved for this step
+            mask = torch.empty(
+                int(full_mask_indptr(prefix_lens, self.window)[-1]),
+                dtype=torch.bool,
+                device=self.device,
+            )
+            write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+            logits_output, can_run_graph = self._verify(
+                batch, layout.tokens, layout.positions, window_locs, mask
+            )
+            logits = logits_output.next_token_logits  # [bs * W, V]
+            if batch.sampling_info is not None:
+                apply_dflash_verify_logits_adjustments(
+                    next_token_logits=logits,
+                    sampling_info=batch.sampling_info,
+                    draft_token_num=self.window,
+                )
+            result = self._accept(batch, tree, logits.view(bs, self.window, -1))
+            commit_lens = (result.accept_len + 1).to(torch.int32)  # [bs]
+            path_slots = result.accepted_slots  # [bs, L + 1], root first, -1 after the path
+
+            # Target KV of the accepted path -> contiguous slots prefix .. prefix + a.
+            path_width = path_slots.shape[1]
+            on_path = path_slots >= 0
+            dst_locs = window_locs[:, :path_width]
+            path_locs = window_locs.gather(1, path_slots.clamp_min(0))
+            src_locs = torch.where(on_path, path_locs, dst_locs)  # off the path: move in place
+            self.model_runner.token_to_kv_pool.move_kv_cache(dst_locs.flatten(), src_locs.flatten())
+
+            # Drafter context KV of the committed tokens, from the target's hidden states.
+            hidden = logits_output.hidden_states.view(bs, self.window, -1)
+            path_hidden = hidden.gather(
+                1, path_slots.clamp_min(0)[:, :, None].expand(-1, -1, hidden.shape[-1])
+            )
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+                cache_loc=dst_locs.reshape(-1),
+                cache_loc_2d=dst_locs,
+                positions=window_pos[:, :path_width].reshape(-1),
+                commit_lens=commit_lens,
+            )
+            logits_output.hidden_states = None
+
+            new_seq_lens = prefix_lens + commit_lens.to(torch.int64)
+            if on_publish is not None:
+                on_publish(new_seq_lens)
+            out_tokens = result.committed_tokens.clamp_min(0)  # [bs, L + 1]
+            return GenerationBatchResult(
+                logits_output=logits_output,
+                next_token_ids=out_tokens.reshape(-1),
+                accept_lens=commit_lens,
+                can_run_cuda_graph=can_run_graph,
+                next_draft_input=make_draft_input_v2(
+                    bonus_tokens=result.bonus, new_seq_lens=new_seq_lens
+                ),
+                speculative_num_draft_tokens=path_width,
+                new_seq_lens=new_seq_lens,
+            )
+
+        def _draft_topk(
+            self, batch: Any, bonus: torch.Tensor, prefix_lens: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """One drafter forward; top-K ``[bs, L, K]`` log-probs and ids of slots 1..L."""
+            bs, block = bonus.shape[0], self.block_size
+            block_ids = torch.full(
+                (bs, block), int(self._mask_token_id), dtype=torch.int64, device=self.device
+            )
+            block_ids[:, 0] = bonus
+            positions = prefix_lens[:, None] + self._block_pos_offsets  # [bs, block]
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            block_locs = req_to_token[batch.req_pool_indices[:, None], positions].to(torch.int64)
+            target_model = self.target_worker.model_runner.model
+            draft_dtype = next(self.draft_model.parameters()).dtype
+            input_embeds = target_model.get_input_embeddings()(block_ids).to(draft_dtype)
+            seq_lens_cpu = prefix_lens.to("cpu", dtype=torch.int32)
+            forward_batch = ForwardBatch(
+                forward_mode=ForwardMode.TARGET_VERIFY,
+                batch_size=bs,
+                input_ids=block_ids.flatten(),
+                req_pool_indices=batch.req_pool_indices,
+                seq_lens=prefix_lens,
+                out_cache_loc=block_locs.flatten(),
+                seq_lens_sum=int(seq_lens_cpu.sum()),
+                seq_lens_cpu=seq_lens_cpu,
+                positions=positions.flatten(),
+                input_embeds=input_embeds.view(bs * block, -1),
+                spec_algorithm=SpeculativeAlgorithm.DFLASH,
+                spec_info=self._draft_block_spec_info,
+                capture_hidden_mode=CaptureHiddenMode.NULL,
+            )
+            with torch.inference_mode():
+                draft_out = self.draft_model_runner.forward(forward_batch)
+                hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
+                weight = target_model.lm_head.weight  # [V, H]
+                logits = torch.matmul(hidden.to(weight.dtype), weight.T)  # [bs, L, V]
+                return topk_from_logits(logits, min(self.topk, logits.shape[-1]))
+
+        def _verify(
+            self,
+            batch: Any,
+            tokens: torch.Tensor,
+            positions: torch.Tensor,
+            window_locs: torch.Tensor,
+            mask: torch.Tensor,
+        ) -> tuple[Any, bool]:
+            """One target forward over every request's ``W`` window slots with the tree mask."""
+            verify_input = DFlashVerifyInput(
+                draft_token=tokens.reshape(-1),
+                positions=positions.reshape(-1),
+                draft_token_num=self.window,
+                custom_mask=mask,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+            batch.out_cache_loc = window_locs.reshape(-1)
+            seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+            if seq_lens_cpu is not None:
+                batch.seq_lens_cpu = seq_lens_cpu + self.window
+                batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+            out = self.target_worker.forward_batch_generation(
+                batch=None,
+                forward_batch=forward_batch,
+                is_verify=True,
+                skip_attn_backend_init=True,
+            )
+            return out.logits_output, bool(out.can_run_cuda_graph)
+
+        def _accept(self, batch: Any, tree: Any, logits: torch.Tensor) -> Any:
+            """Greedy or sampled acceptance of ``[bs, W, V]`` verify logits."""
+            info = batch.sampling_info
+            if info is None or info.is_all_greedy:
+                return greedy_accept(tree, logits.argmax(dim=-1))
+            return sample_accept(
+                tree,
+                logits,
+                temperature=info.temperatures.view(-1),
+                top_k=info.top_ks.view(-1),
+                top_p=info.top_ps.view(-1),
+            )
+
+    return DDTreeWorker
