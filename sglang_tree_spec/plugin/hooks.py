@@ -72,7 +72,7 @@ HOOKS: tuple[Hook, ...] = (
         target="sglang.srt.entrypoints.engine.Engine.server_args_class",
         kind="REPLACE",
         make=_ddtree_server_args,
-        patch="0001-server-args-ddtree-flags.diff",
+        patch="0008-engine-server-args-class-after-plugins.diff",
         reason="sglang.Engine binds its ServerArgs class before plugins load; it must build "
         "(and pickle) the same class as the CLI",
     ),
