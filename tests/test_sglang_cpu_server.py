@@ -9,20 +9,14 @@ tests fail (``bash launch/setup-dev.sh`` installs it).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_helpers import START_TIMEOUT_S, free_port, http_json, launch, stop, wait_until_healthy
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -32,7 +26,6 @@ VOCAB = 128
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 MAX_NEW_TOKENS = 12
 PROMPTS = [[5, 17, 33, 42, 90, 41, 7], [11, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
-START_TIMEOUT_S = 120.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,21 +103,6 @@ def greedy_reference(model: Qwen3ForCausalLM, prompt: list[int], n: int) -> tupl
 # ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> object:
-    """GET (payload None) or POST JSON; the decoded JSON reply."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        return json.loads(reply.read() or b"null")
-
-
 def cpu_server_command(model_path: Path, port: int) -> list[str]:
     """The unmodified launch command for a CPU server without speculation."""
     return [
@@ -152,49 +130,6 @@ def cpu_server_command(model_path: Path, port: int) -> list[str]:
         "--log-level",
         "info",
     ]
-
-
-def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:
-    """Poll ``/health`` until the server answers; fail with the log if it dies or times out."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
-            return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    pytest.fail(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-6000:]}")
-
-
-def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
-    """Start ``command`` in its own process group, output to ``log``.
-
-    ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points.
-    ``SGLANG_USE_CPU_ENGINE`` is removed so that only the plugin can make CPU serving work.
-    """
-    env = {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
-    env.pop("SGLANG_USE_CPU_ENGINE", None)
-    with log.open("w") as sink:
-        return subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Terminate the server's process group (launcher, scheduler, detokenizer)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # leftover children of the group, if any
-    except ProcessLookupError:
-        pass
 
 
 # ---------------------------------------------------------------------------------------------

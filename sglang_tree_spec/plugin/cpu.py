@@ -79,6 +79,23 @@ def assign_req_to_token_on_cpu(
     return None
 
 
+def input_embeds_in_model_dtype(
+    original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
+) -> dict:
+    """AROUND hook on ``ModelRunner._extend_forward_kwargs``: embeddings in the model's dtype.
+
+    SGLang 0.5.17 casts ``input_embeds`` (how a DFlash drafter receives its block) to bfloat16
+    unconditionally, so a drafter served in float32 (``--dtype float32``, e.g. on CPU) fails
+    in its first matmul. The cast goes to the runner's dtype instead. Mirrored by
+    ``patches/sglang-0.5.17/0009-input-embeds-in-model-dtype.diff``.
+    """
+    model_kwargs = original(runner, forward_batch, *args, **kwargs)
+    embeds = forward_batch.input_embeds
+    if embeds is not None and forward_batch.replace_embeds is None:
+        model_kwargs["input_embeds"] = embeds.to(runner.dtype)
+    return model_kwargs
+
+
 def serving_device() -> str:
     """The ``--device`` of this SGLang process (a guess from torch before args are published)."""
     from sglang.srt.runtime_context import get_server_args

@@ -60,6 +60,12 @@ def _assign_req_to_token_on_cpu() -> Callable[..., None]:
     return assign_req_to_token_on_cpu
 
 
+def _input_embeds_in_model_dtype() -> Callable[..., dict]:
+    from sglang_tree_spec.plugin.cpu import input_embeds_in_model_dtype
+
+    return input_embeds_in_model_dtype
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         target="sglang.srt.server_args.ServerArgs",
@@ -105,6 +111,14 @@ HOOKS: tuple[Hook, ...] = (
         patch="0007-assign-req-to-token-on-cpu.diff",
         reason="speculative decode slot assignment is a Triton kernel (or sgl_kernel's CPU "
         "engine); on CPU write the slots with torch",
+    ),
+    Hook(
+        target="sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
+        kind="AROUND",
+        make=_input_embeds_in_model_dtype,
+        patch="0009-input-embeds-in-model-dtype.diff",
+        reason="input_embeds (a DFlash drafter's block) are cast to bfloat16 whatever the "
+        "served dtype; cast to the model's dtype",
     ),
     Hook(
         target="sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",

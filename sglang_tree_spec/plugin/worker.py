@@ -28,6 +28,7 @@ import torch
 from sglang_tree_spec.tree import (
     build_ddtree,
     build_verify_layout,
+    counter_uniforms,
     full_mask_indptr,
     greedy_accept,
     sample_accept,
@@ -86,6 +87,7 @@ def _define_worker() -> type:
             self._draft_block_spec_info = make_draft_block_spec_info(
                 draft_token_num=self.block_size, device=self.device
             )
+            self._generator = torch.Generator().manual_seed(int(server_args.random_seed or 0))
             self._use_fused_kv_materialize = False
             self._fused_kv_helper = None
             self._draft_sampler = None
@@ -143,7 +145,7 @@ def _define_worker() -> type:
                     sampling_info=batch.sampling_info,
                     draft_token_num=self.window,
                 )
-            result = self._accept(batch, tree, logits.view(bs, self.window, -1))
+            result = self._accept(batch, tree, logits.view(bs, self.window, -1), prefix_lens)
             commit_lens = (result.accept_len + 1).to(torch.int32)  # [bs]
             path_slots = result.accepted_slots  # [bs, L + 1], root first, -1 after the path
 
@@ -254,7 +256,9 @@ def _define_worker() -> type:
             )
             return out.logits_output, bool(out.can_run_cuda_graph)
 
-        def _accept(self, batch: Any, tree: Any, logits: torch.Tensor) -> Any:
+        def _accept(
+            self, batch: Any, tree: Any, logits: torch.Tensor, prefix_lens: torch.Tensor
+        ) -> Any:
             """Greedy or sampled acceptance of ``[bs, W, V]`` verify logits."""
             info = batch.sampling_info
             if info is None or info.is_all_greedy:
@@ -265,6 +269,27 @@ def _define_worker() -> type:
                 temperature=info.temperatures.view(-1),
                 top_k=info.top_ks.view(-1),
                 top_p=info.top_ps.view(-1),
+                uniforms=self._coins(batch, prefix_lens),
+            )
+
+        def _coins(self, batch: Any, prefix_lens: torch.Tensor) -> torch.Tensor:
+            """``[bs, W]`` uniforms: one per node, the last for the bonus draw.
+
+            A request with a sampling seed draws ``counter_uniforms(seed, prefix * W + slot)``:
+            reproducible, and never reused (the prefix grows every step). Others draw from the
+            worker's generator, seeded with ``--random-seed``.
+            """
+            seeds = [req.sampling_params.sampling_seed for req in batch.reqs]
+            bs = len(seeds)
+            fresh = torch.rand(bs, self.window, generator=self._generator, dtype=torch.float64)
+            if all(seed is None for seed in seeds):
+                return fresh.to(self.device)
+            seeded = torch.tensor([seed is not None for seed in seeds], device=self.device)
+            seed_values = torch.tensor([seed or 0 for seed in seeds], device=self.device)
+            slots = torch.arange(self.window, device=self.device)
+            counters = prefix_lens[:, None] * self.window + slots
+            return torch.where(
+                seeded[:, None], counter_uniforms(seed_values, counters), fresh.to(self.device)
             )
 
     return DDTreeWorker

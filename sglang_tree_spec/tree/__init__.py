@@ -7,6 +7,7 @@ SGLang or transformers imports.
 from sglang_tree_spec.tree.accept import (
     AcceptResult,
     SampledAcceptResult,
+    counter_uniforms,
     greedy_accept,
     sample_accept,
     sample_tokens,
@@ -37,6 +38,7 @@ __all__ = [
     "build_ddtree",
     "build_ddtree_reference",
     "build_verify_layout",
+    "counter_uniforms",
     "full_mask_indptr",
     "greedy_accept",
     "sample_accept",

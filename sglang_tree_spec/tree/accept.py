@@ -309,3 +309,36 @@ def _bonus_residual(tree: DraftTree, probs: torch.Tensor, slot: torch.Tensor) ->
     # A zero residual only arises from rounding (the children held all the mass yet were
     # rejected); fall back to the slot's distribution rather than divide by zero.
     return torch.where(total > 0, residual / total.clamp_min(1e-30), base)
+
+
+def _as_int64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >> bits`` on the unsigned 64-bit pattern of an int64 tensor."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Reproducible uniforms in [0, 1): a SplitMix64 hash of (seed, counter), batched.
+
+    The same (seed, counter) always gives the same number on any device and in any batch, so
+    a request with a sampling seed draws the same coins wherever it is scheduled (the counter
+    is a token position, so every coin of a request is a distinct draw).
+
+    Args:
+        seeds: ``[bs]`` int64 per-request seeds.
+        counters: ``[bs, N]`` int64 (e.g. the positions of the verify window's slots).
+
+    Returns:
+        ``[bs, N]`` float64 uniforms with 53 random bits.
+    """
+    golden = _as_int64(0x9E3779B97F4A7C15)
+    x = seeds.to(torch.int64).view(-1, 1) * golden + counters.to(torch.int64)
+    x = x + golden
+    x = (x ^ _logical_shift_right(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
+    x = (x ^ _logical_shift_right(x, 27)) * _as_int64(0x94D049BB133111EB)
+    x = x ^ _logical_shift_right(x, 31)
+    return _logical_shift_right(x, 11).to(torch.float64) * (2.0**-53)

@@ -1,0 +1,75 @@
+"""Running a real SGLang server process in tests: ports, HTTP, start-up, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> object:
+    """GET (payload None) or POST JSON; the decoded JSON reply."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read() or b"null")
+
+
+def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll ``/health`` until the server answers; fail with the log if it dies or times out."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-6000:]}")
+        try:
+            urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    pytest.fail(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-6000:]}")
+
+
+def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
+    """Start ``command`` in its own process group, output to ``log``.
+
+    ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points.
+    ``SGLANG_USE_CPU_ENGINE`` is removed so that only the plugin can make CPU serving work.
+    """
+    env = {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    with log.open("w") as sink:
+        return subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Terminate the server's process group (launcher, scheduler, detokenizer)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # leftover children of the group, if any
+    except ProcessLookupError:
+        pass

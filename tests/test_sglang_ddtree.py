@@ -1,0 +1,247 @@
+"""DDTREE served by a real SGLang 0.5.17 on CPU equals SGLang without speculation.
+
+The unmodified ``python -m sglang.launch_server`` (and ``sglang.Engine``) with
+``--speculative-algorithm DDTREE`` and the project's small DFlash pair (committed weights,
+served in float32): greedy output equals the no-speculation server token for token on 24
+held-out prompts, one request at a time and 8 at once, at tree budgets 8 and 32. Also:
+``/v1/chat/completions``, seeded sampling, the accept length in the metadata and the log, and
+a stream aborted mid-way. The CPU pieces (tree-verify attention, KV moves, slot writes) come
+from this package's hooks; nothing else is patched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from sglang_helpers import free_port, http_json, launch, stop, wait_until_healthy
+from transformers import AutoTokenizer
+
+from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+
+PROMPT_COUNT = 24
+PROMPT_TOKENS = 96
+NEW_TOKENS = 32
+BUDGETS = (8, 32)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHAT = [{"role": "user", "content": "def parse_header(line):\n    name, _, value ="}]
+
+
+def float32_copy(src: Path, dst: Path, chat_template: str | None = None) -> Path:
+    """``src`` checkpoint with float32 weights and config (SGLang serves it in float32)."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    save_file({k: v.float().contiguous() for k, v in load_file(weights).items()}, weights)
+    config = json.loads((dst / "config.json").read_text())
+    config["dtype"] = "float32"
+    config.pop("torch_dtype", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    if chat_template is not None:
+        tokenizer_config = dst / "tokenizer_config.json"
+        settings = json.loads(tokenizer_config.read_text())
+        settings["chat_template"] = chat_template
+        tokenizer_config.write_text(json.dumps(settings, indent=2))
+    return dst
+
+
+def server_command(pair: dict[str, Path], port: int, budget: int | None) -> list[str]:
+    """The unmodified CPU launch command, plus the DDTREE flags when ``budget`` is given."""
+    command = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(pair["target"]),
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--dtype", "float32",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-total-tokens", "8192",
+        "--max-running-requests", "8",
+        "--random-seed", "0",
+        "--decode-log-interval", "5",
+        "--log-level", "info",
+    ]  # fmt: skip
+    if budget is not None:
+        command += [
+            "--speculative-algorithm", "DDTREE",
+            "--speculative-draft-model-path", str(pair["drafter"]),
+            "--speculative-num-draft-tokens", str(budget + 1),
+        ]  # fmt: skip
+    return command
+
+
+class Server:
+    """A running server: base URL and log; greedy generation at a given concurrency."""
+
+    def __init__(self, base_url: str, log: Path) -> None:
+        self.base_url, self.log = base_url, log
+
+    def generate(self, prompt: list[int], **sampling: object) -> dict:
+        params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, **sampling}
+        return http_json(
+            f"{self.base_url}/generate",
+            {"input_ids": prompt, "sampling_params": params},
+            timeout=300,
+        )
+
+    def greedy(self, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+        with ThreadPoolExecutor(concurrency) as pool:
+            replies = list(pool.map(self.generate, prompts))
+        return [reply["output_ids"] for reply in replies]
+
+    def chat(self) -> str:
+        reply = http_json(
+            f"{self.base_url}/v1/chat/completions",
+            {"model": "default", "messages": CHAT, "temperature": 0, "max_tokens": NEW_TOKENS},
+            timeout=300,
+        )
+        return reply["choices"][0]["message"]["content"]
+
+
+def running_server(command: list[str], log: Path) -> Iterator[Server]:
+    process = launch(command, log, plugins="ddtree")
+    try:
+        base_url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        wait_until_healthy(base_url, process, log)
+        yield Server(base_url, log)
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pair-fp32")
+    return {
+        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target", CHAT_TEMPLATE),
+        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(pair: dict[str, Path]) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
+    texts = heldout_prompts(PROMPT_COUNT)
+    return [tokenizer.encode(text, add_special_tokens=False)[-PROMPT_TOKENS:] for text in texts]
+
+
+@pytest.fixture(scope="module")
+def baseline(pair, prompts, tmp_path_factory) -> dict[str, object]:
+    """No speculation: greedy outputs one at a time and 8 at once, and the chat reply."""
+    import sglang  # noqa: F401  (fail, not skip, without SGLang)
+
+    log = tmp_path_factory.mktemp("baseline") / "server.log"
+    for server in running_server(server_command(pair, free_port(), None), log):
+        return {
+            "sequential": server.greedy(prompts, 1),
+            "concurrent": server.greedy(prompts, 8),
+            "chat": server.chat(),
+        }
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module", params=BUDGETS, ids=lambda b: f"budget{b}")
+def ddtree_server(request, pair, baseline, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp(f"ddtree{request.param}") / "server.log"
+    yield from running_server(server_command(pair, free_port(), request.param), log)
+
+
+def test_baseline_outputs_do_not_depend_on_concurrency(baseline):
+    assert baseline["concurrent"] == baseline["sequential"]
+
+
+def test_ddtree_greedy_equals_no_speculation_one_at_a_time(ddtree_server, prompts, baseline):
+    assert ddtree_server.greedy(prompts, 1) == baseline["sequential"]
+
+
+def test_ddtree_greedy_equals_no_speculation_eight_at_once(ddtree_server, prompts, baseline):
+    assert ddtree_server.greedy(prompts, 8) == baseline["sequential"]
+
+
+def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):
+    meta = ddtree_server.generate(prompts[0])["meta_info"]
+    assert meta["spec_verify_ct"] < meta["completion_tokens"]  # > 1 token per verify
+    assert meta["spec_accept_length"] > 1.0
+    assert "accept len:" in ddtree_server.log.read_text()  # the decode log line
+
+
+def test_ddtree_chat_completion_equals_no_speculation(ddtree_server, baseline):
+    assert ddtree_server.chat() == baseline["chat"]
+
+
+def test_ddtree_seeded_sampling_completes_and_reproduces(ddtree_server, prompts):
+    sampling = {"temperature": 0.7, "top_p": 0.9, "sampling_seed": 1234}
+    first = ddtree_server.generate(prompts[1], **sampling)
+    again = ddtree_server.generate(prompts[1], **sampling)
+    other = ddtree_server.generate(prompts[1], **{**sampling, "sampling_seed": 99})
+    greedy = ddtree_server.generate(prompts[1])
+    assert len(first["output_ids"]) == NEW_TOKENS
+    assert first["output_ids"] == again["output_ids"]
+    assert other["output_ids"] != first["output_ids"] or first["output_ids"] != greedy[
+        "output_ids"
+    ]
+
+
+def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseline):
+    request = urllib.request.Request(
+        f"{ddtree_server.base_url}/generate",
+        data=json.dumps(
+            {
+                "input_ids": prompts[2],
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 400},
+                "stream": True,
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as stream:
+        chunks = [stream.readline() for _ in range(6)]  # a few streamed events, then hang up
+    assert any(chunk.startswith(b"data:") for chunk in chunks)
+    http_json(f"{ddtree_server.base_url}/health", timeout=30)
+    assert ddtree_server.greedy(prompts[:4], 4) == baseline["sequential"][:4]
+
+
+def test_engine_in_process_serves_ddtree(pair, prompts, baseline):
+    """``sglang.Engine`` (the plugin loads through the entry point in every process)."""
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=str(pair["target"]),
+        device="cpu",
+        attention_backend="torch_native",
+        dtype="float32",
+        max_total_tokens=8192,
+        max_running_requests=8,
+        random_seed=0,
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=str(pair["drafter"]),
+        speculative_num_draft_tokens=17,
+    )
+    try:
+        outputs = engine.generate(
+            input_ids=prompts[:8],
+            sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS},
+        )
+    finally:
+        engine.shutdown()
+    assert [out["output_ids"] for out in outputs] == baseline["sequential"][:8]
+    assert all(out["meta_info"]["spec_verify_ct"] < NEW_TOKENS for out in outputs)
+
+
+def test_float32_copy_keeps_the_weights(pair):
+    """The served copy is the committed pair, only widened to float32."""
+    original = load_file(SMALL_PAIR_DIR / "drafter" / "model.safetensors")
+    widened = load_file(pair["drafter"] / "model.safetensors")
+    assert original.keys() == widened.keys()
+    for name, tensor in original.items():
+        assert widened[name].dtype == torch.float32
+        assert torch.equal(widened[name], tensor.float()), name
