@@ -186,9 +186,7 @@ def test_ddtree_seeded_sampling_completes_and_reproduces(ddtree_server, prompts)
     greedy = ddtree_server.generate(prompts[1])
     assert len(first["output_ids"]) == NEW_TOKENS
     assert first["output_ids"] == again["output_ids"]
-    assert other["output_ids"] != first["output_ids"] or first["output_ids"] != greedy[
-        "output_ids"
-    ]
+    assert other["output_ids"] != first["output_ids"] or first["output_ids"] != greedy["output_ids"]
 
 
 def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseline):

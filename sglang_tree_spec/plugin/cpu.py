@@ -190,9 +190,7 @@ def verify_attention(
             allowed = flat_mask[offset : offset + window * kv_len].view(window, kv_len)
             offset += window * kv_len
         elif causal:
-            allowed = torch.ones(window, kv_len, dtype=torch.bool, device=query.device).tril(
-                prefix
-            )
+            allowed = torch.ones(window, kv_len, dtype=torch.bool, device=query.device).tril(prefix)
         rows = slice(b * window, (b + 1) * window)
         q_b = query[rows].transpose(0, 1)  # [H, W, D]
         k_b = k_cache[slots].transpose(0, 1).to(q_b.dtype)  # [H_kv, kv_len, D]
