@@ -20,17 +20,21 @@ from tree_helpers import assert_well_formed, node_paths, random_marginals
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.graft import (
     UNKNOWN,
-    RankAcceptance,
+    EdgeAcceptance,
     StageConfig,
     SuccessorTable,
     calibrate_stage,
+    edge_evidence,
+    evidence_classes,
     graft_stage,
     graft_unified,
     rank_template,
     stage_confidences,
 )
+from sglang_tree_spec.graft.edges import Q_KNOTS
 from sglang_tree_spec.graft.template import best_first_position
 from sglang_tree_spec.tree import build_ddtree
+from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR
 
 FIELDS = ("tokens", "parents", "depths", "logprobs", "valid")
 
@@ -160,13 +164,79 @@ def test_rank_template_is_nested_prefix_closed_and_rank0_deepest():
     assert tiny.valid.sum() == 6 and not tiny.valid[6:].any()
 
 
-def test_rank_acceptance_counts_known_ranks_only():
-    stats = RankAcceptance(2, strength=4.0)
-    before = stats.rates().clone()
-    rows = torch.tensor([[1, 2], [3, UNKNOWN], [5, 6]])
-    stats.observe(rows, torch.tensor([2, 3, 5]), torch.tensor([True, True, False]))
-    assert stats.trials.tolist() == [6.0, 5.0]
-    assert stats.hits.tolist() == pytest.approx((4.0 * before + 1).tolist())
+def test_evidence_classes_rank_absent_unseen():
+    rows = torch.tensor([[4, 7, 9], [4, 7, 9], [4, UNKNOWN, UNKNOWN], [UNKNOWN] * 3])
+    tokens = torch.tensor([9, 5, 5, 4])
+    # rank 2; absent from a full row (k); not in a partial / unknown row (k + 1)
+    assert evidence_classes(rows, tokens).tolist() == [2, 3, 4, 4]
+
+
+def test_edge_acceptance_prior_interpolation_and_state():
+    edges = EdgeAcceptance(3, depth_classes=2, strength=2.0)
+    q = torch.tensor([0.0, 0.01, 0.3, 0.9, 1.0])
+    unseen = edges.probs(1, torch.full((5,), 4), q)
+    assert unseen.tolist() == pytest.approx([1e-6, 0.01, 0.3, 0.9, 1 - 1e-6], abs=1e-6)
+    # Depths past the classes pool. At the knots, the prior halves the odds of ABSENT tokens.
+    knots = torch.tensor([0.015, 0.27, 0.85])
+    absent = edges.probs(5, torch.full((3,), 3), knots)
+    assert absent.tolist() == pytest.approx((knots / (2 - knots)).tolist(), rel=1e-5)
+    ranked = edges.probs(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([0.3, 0.3]))
+    assert (ranked > 0.3).all()  # in the row: more likely than the drafter alone says
+    other = EdgeAcceptance(3, depth_classes=2, strength=2.0)
+    other.hits += 1.0
+    edges.load_state_dict(other.state_dict())
+    assert torch.equal(edges.probs(1, torch.tensor(4), q), other.probs(1, torch.tensor(4), q))
+    with pytest.raises(ValueError, match="do not fit"):
+        EdgeAcceptance(4).load_state_dict(other.state_dict())
+
+
+def reference_edge_counts(tree, evidence, q, committed, edges):
+    """Python reference of :meth:`EdgeAcceptance.observe`: tried / hit per cell and knot."""
+    trials = torch.zeros_like(edges.trials)
+    hits = torch.zeros_like(edges.hits)
+    knots = list(Q_KNOTS)
+    for b in range(tree.batch_size):
+        accepted = {-1}
+        for i in range(tree.budget):
+            if not tree.valid[b, i] or int(tree.parents[b, i]) not in accepted:
+                continue
+            depth = int(tree.depths[b, i])
+            hit = int(tree.tokens[b, i]) == int(committed[b, depth - 1])
+            if hit:
+                accepted.add(i)
+            value = float(q[b, i])
+            j = max(j for j in range(len(knots) - 1) if knots[j] <= value)
+            w = (value - knots[j]) / (knots[j + 1] - knots[j])
+            cell = (min(depth, edges.depth_classes) - 1, int(evidence[b, i]))
+            for knot, weight in ((j, 1 - w), (j + 1, w)):
+                trials[(*cell, knot)] += weight
+                hits[(*cell, knot)] += weight * hit
+    return trials, hits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_edge_acceptance_counts_tried_and_hit_nodes(seed):
+    vocab, bs = 12, 3
+    lp, tok = random_marginals(bs, 4, 3, vocab, seed=seed, sharpness=1.0)
+    tree = build_ddtree(lp, tok, 10)
+    table = random_table(vocab, 3, seed)
+    roots = torch.tensor([1, 2, 3])
+    evidence, q = edge_evidence(tree, lp, tok, roots, table)
+    # Commit the path of each request's first deepest-by-index draft node, then a bonus.
+    g = torch.Generator().manual_seed(seed)
+    committed = torch.full((bs, 5), -1)
+    for b in range(bs):
+        paths = node_paths(tree.parents[b].tolist(), tree.tokens[b].tolist(), [True] * 10)
+        path = list(paths[int(torch.randint(0, 10, (1,), generator=g))])
+        path = path[: int(torch.randint(0, len(path) + 1, (1,), generator=g))]
+        committed[b, : len(path) + 1] = torch.tensor([*path, 11])
+    edges = EdgeAcceptance(3, depth_classes=2, strength=1.0)
+    before_t, before_h = edges.trials.clone(), edges.hits.clone()
+    edges.observe(tree, evidence, q, committed)
+    trials, hits = reference_edge_counts(tree, evidence, q, committed, edges)
+    assert torch.allclose(edges.trials - before_t, trials, atol=1e-9)
+    assert torch.allclose(edges.hits - before_h, hits, atol=1e-9)
+    assert trials.sum() > 0
 
 
 def test_calibration_bounds_the_misjudgment_rate():
@@ -211,8 +281,12 @@ def random_table(vocab: int, k: int, seed: int, known_rows: float = 0.6) -> Succ
     return table
 
 
-def assert_grafted_from(out, tree, table, roots) -> None:
-    """Every node is a draft path or a retrieved token: a known entry of its parent's row."""
+def assert_grafted_from(out, tree, table, roots, topk_tokens=None) -> None:
+    """Every node is a draft path or a retrieved token: a known entry of its parent's row.
+
+    With ``topk_tokens`` (the unified policy's lattice) a draft node is any node whose token is
+    in the drafter's top-K at its depth, not only a node of ``tree``.
+    """
     for b in range(out.batch_size):
         valid = out.valid[b].tolist()
         draft = set(
@@ -221,6 +295,8 @@ def assert_grafted_from(out, tree, table, roots) -> None:
         paths = node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), valid)
         for path in paths[: sum(valid)]:
             if path in draft:
+                continue
+            if topk_tokens is not None and path[-1] in topk_tokens[b, len(path) - 1].tolist():
                 continue
             parent_token = path[-2] if len(path) > 1 else int(roots[b])
             row = table.table[parent_token].tolist()
@@ -248,16 +324,70 @@ def test_policies_keep_the_tree_contract(depth, k, budget, table_k, seed):
         float(x) for x in torch.rand(3, generator=torch.Generator().manual_seed(seed))
     )
     outputs = [
-        graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=thresholds)),
-        graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=(1.0, 1.0, 1.0))),
-        graft_unified(tree, lp, tok, roots, table, torch.linspace(0.6, 0.05, table_k)),
+        (graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=thresholds)), None),
+        (graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=(1.0, 1.0, 1.0))), None),
+        (graft_unified(tree, lp, tok, roots, table, EdgeAcceptance(table_k)), tok),
+        (graft_unified(tree, lp, tok, roots, table, random_edges(table_k, seed)), tok),
     ]
-    for out in outputs:
+    for out, lattice in outputs:
         assert out.tokens.shape == tree.tokens.shape and out.max_depth == tree.max_depth
         assert all(getattr(out, f).dtype == getattr(tree, f).dtype for f in FIELDS)
         assert_well_formed(out, lp, tok)
-        assert_grafted_from(out, tree, table, roots)
+        assert_grafted_from(out, tree, table, roots, lattice)
         assert (out.valid.sum(1) >= tree.valid.sum(1)).all()  # retrieval never empties a slot
+
+
+def random_edges(k: int, seed: int, depth_classes: int = 3) -> EdgeAcceptance:
+    """An edge estimate with random (but valid) rates in every cell."""
+    edges = EdgeAcceptance(k, depth_classes=depth_classes, strength=1.0)
+    g = torch.Generator().manual_seed(seed)
+    edges.hits.copy_(torch.rand(edges.hits.shape, generator=g, dtype=torch.float64))
+    return edges
+
+
+def reference_unified(lp, tok, root, table, edges, budget):
+    """Plain-Python unified selection for one request: enumerate the whole lattice (drafted
+    top-K children and row successors of every node, a token counted once), score paths by
+    the product of edge probabilities, keep the ``budget`` best per depth among the children
+    of the previous depth's kept nodes, then the ``budget`` best overall by (score desc, depth
+    asc). Returns the set of token paths."""
+    depth_count = tok.shape[0]
+    kept = [((), 0.0, root)]  # (path, log score, last token)
+    chosen = []
+    for d in range(depth_count):
+        candidates = []
+        for path, score, last in kept:
+            row = [t for t in table.table[last].tolist() if t != UNKNOWN]
+            drafted = tok[d].tolist()
+            children = [(t, float(lp[d, j].exp())) for j, t in enumerate(drafted)]
+            children += [(t, 0.0) for t in row if t not in drafted]
+            for token, q in children:
+                evidence = evidence_classes(
+                    torch.tensor(table.table[last].tolist()), torch.tensor(token)
+                )
+                p = float(edges.probs(d + 1, evidence, torch.tensor(q)))
+                candidates.append(((*path, token), score + math.log(p), token))
+        candidates.sort(key=lambda c: -c[1])  # stable: ties keep lattice order
+        kept = candidates[:budget]
+        chosen += [(c[1], d, c[0]) for c in kept]
+    chosen.sort(key=lambda c: (-c[0], c[1]))
+    return {c[2] for c in chosen[:budget]}
+
+
+@pytest.mark.parametrize(("depth", "k", "budget", "table_k"), [(3, 2, 5, 2), (4, 3, 9, 2)])
+@pytest.mark.parametrize("seed", range(4))
+def test_unified_equals_the_plain_reference(depth, k, budget, table_k, seed):
+    vocab, bs = 10, 2
+    lp, tok = random_marginals(bs, depth, k, vocab, seed=seed, sharpness=1.0)
+    tree = build_ddtree(lp, tok, budget)
+    table = random_table(vocab, table_k, seed, known_rows=0.8)
+    roots = torch.tensor([3, 7])
+    edges = random_edges(table_k, seed + 10)
+    out = graft_unified(tree, lp, tok, roots, table, edges)
+    for b in range(bs):
+        paths = node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), out.valid[b].tolist())
+        expected = reference_unified(lp[b], tok[b], int(roots[b]), table, edges, budget)
+        assert set(paths[: int(out.valid[b].sum())]) == expected
 
 
 def test_stage_keeps_the_draft_tree_when_confident():
@@ -305,10 +435,18 @@ def test_unknown_successors_are_never_grafted():
     roots = torch.tensor([1, 2])
     for out in (
         graft_stage(tree, lp, tok, roots, empty, StageConfig(thresholds=(1.0, 1.0, 1.0))),
-        graft_unified(tree, lp, tok, roots, empty, torch.full((4,), 0.5)),
+        graft_unified(tree, lp, tok, roots, empty, EdgeAcceptance(4)),  # fresh: p = q, DDTree
     ):
         for field in ("tokens", "parents", "depths", "valid"):
             assert torch.equal(getattr(out, field), getattr(tree, field)), field
+
+
+def fixed_edges(k: int, rates: dict[int, float], depth_classes: int = 3) -> EdgeAcceptance:
+    """An edge estimate whose rate depends on the evidence class only (``rates[class]``)."""
+    edges = EdgeAcceptance(k, depth_classes=depth_classes)
+    for evidence, rate in rates.items():
+        edges.hits[:, evidence] = edges.trials[:, evidence] * rate
+    return edges
 
 
 def test_unified_merges_a_retrieved_token_with_its_draft_twin():
@@ -321,13 +459,32 @@ def test_unified_merges_a_retrieved_token_with_its_draft_twin():
     logits[0, c], logits[0, a] = 2.0, 1.0
     table.update(torch.tensor([root]), logits)  # row root: [c, a]
     roots = torch.tensor([root])
-    # a: 1 - (1 - 0.5)(1 - 0.35) = 0.675 (merged), b: 0.3, c: 0.4 -> {a, c}
-    out = graft_unified(tree, lp, tok, roots, table, torch.tensor([0.4, 0.35]))
+    # a: drafted and rank 1 (one node), c: rank 0 only, b: absent from the full row
+    out = graft_unified(tree, lp, tok, roots, table, fixed_edges(2, {0: 0.4, 1: 0.7, 2: 0.15}))
     assert out.tokens[0].tolist() == [a, c] and out.valid.all()
-    assert out.logprobs[0, 0].item() == pytest.approx(math.log(0.5))
-    # c: 0.2 < b: 0.3 -> the draft tree
-    out = graft_unified(tree, lp, tok, roots, table, torch.tensor([0.2, 0.35]))
-    assert out.tokens[0].tolist() == [a, b]
+    assert out.logprobs[0].tolist() == pytest.approx([math.log(0.5), LOGPROB_FLOOR])
+    out = graft_unified(tree, lp, tok, roots, table, fixed_edges(2, {0: 0.1, 1: 0.7, 2: 0.15}))
+    assert out.tokens[0].tolist() == [a, b]  # c: 0.1 < b: 0.15
+
+
+def test_unified_retrieves_below_draft_nodes_by_depth():
+    a, x, y, z, root = 2, 3, 4, 5, 1
+    lp = torch.tensor([[[math.log(0.9), math.log(0.05)], [math.log(0.3), math.log(0.2)]]])
+    tok = torch.tensor([[[a, 9], [x, y]]])
+    tree = build_ddtree(lp, tok, 3)
+    table = SuccessorTable(10, k=2)
+    table.observe(torch.tensor([a, z]))  # row a: [z, ?] (a partial row: x, y are UNSEEN)
+    roots = torch.tensor([root])
+    edges = EdgeAcceptance(2, depth_classes=2)
+    edges.hits[:, 0] = edges.trials[:, 0] * torch.tensor([[0.01], [0.5]])  # rank 0 at depth 1, 2
+    out = graft_unified(tree, lp, tok, roots, table, edges)
+    paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
+    # z (0.9 * 0.5) under the drafted a beats x (0.9 * 0.3); y (0.9 * 0.2) is left out
+    assert paths == [(a,), (a, z), (a, x)]
+    edges.hits[1, 0] = edges.trials[1, 0] * 0.25  # rank 0 at depth 2 now below x
+    out = graft_unified(tree, lp, tok, roots, table, edges)
+    paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
+    assert paths == [(a,), (a, x), (a, z)]
 
 
 # --------------------------------------------------------------------------------- engine
@@ -360,6 +517,10 @@ def test_greedy_grafting_equals_plain_decoding(target_and_ar, method):
     assert sum(r.stats.tau for r in results) / len(results) > 1.0
     confidence, accept_len = engine.confidence_log[0]
     assert confidence.shape == (len(PROMPTS), 3) and accept_len.shape == (len(PROMPTS),)
+    if method == "ddtree-graft-unified":  # every step tries at least one child of the root
+        tried = engine.edge_acceptance.trials - EdgeAcceptance(engine.successors.k).trials
+        assert tried.sum() >= sum(r.stats.steps for r in results)
+        assert tried[:, : engine.successors.k].sum() > 0  # nodes found in the table were tried
 
 
 @pytest.mark.parametrize(

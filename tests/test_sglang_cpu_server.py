@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_helpers import START_TIMEOUT_S, free_port, http_json, launch, stop, wait_until_healthy
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from sglang_tree_spec.server_process import (
+    START_TIMEOUT_S,
+    free_port,
+    http_json,
+    launch,
+    stop,
+    wait_until_healthy,
+)
 
 VOCAB = 128
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from sglang_helpers import free_port, http_json, launch, stop, wait_until_healthy
 from transformers import AutoTokenizer
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.server_process import free_port, http_json, launch, stop, wait_until_healthy
 
 PROMPT_COUNT = 24
 PROMPT_TOKENS = 96

@@ -220,6 +220,11 @@ def apply_defaults(server_args: Any) -> None:
             drafter.block_size,
             drafter.block_size - 1,
         )
+    if not server_args.disable_cuda_graph and server_args.device != "cpu":
+        # SGLang 0.5.17 captures the DFlash-family verify graph without a custom mask, so a
+        # replay would verify the tree causally: wrong tokens. Until the capture honours it:
+        server_args.disable_cuda_graph = True
+        logger.warning("%s: CUDA graphs disabled (no tree-mask capture yet)", ALGORITHM)
     if server_args.device == "cpu" and server_args.speculative_draft_attention_backend is None:
         server_args.speculative_draft_attention_backend = "torch_native"  # SGLang picks a GPU one
     if server_args.enable_mixed_chunk:

@@ -1,4 +1,7 @@
-"""Running a real SGLang server process in tests: ports, HTTP, start-up, shutdown."""
+"""A real SGLang server in a child process: ports, JSON over HTTP, start-up, shutdown.
+
+Used by the tests and the serving benchmarks; nothing here imports SGLang.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 START_TIMEOUT_S = 180.0
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time (the message ends with its log)."""
 
 
 def free_port() -> int:
@@ -33,17 +38,17 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> o
 
 
 def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:
-    """Poll ``/health`` until the server answers; fail with the log if it dies or times out."""
+    """Poll ``/health`` until the server answers; raise with the log if it dies or times out."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-6000:]}")
+            raise ServerStartError(f"server exited with {process.returncode}:\n{_tail(log)}")
         try:
             urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
             return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.5)
-    pytest.fail(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-6000:]}")
+    raise ServerStartError(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{_tail(log)}")
 
 
 def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
@@ -73,3 +78,7 @@ def stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # leftover children of the group, if any
     except ProcessLookupError:
         pass
+
+
+def _tail(log: Path, chars: int = 6000) -> str:
+    return log.read_text()[-chars:]
