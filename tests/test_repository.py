@@ -92,3 +92,13 @@ def test_generate_offers_every_engine_method():
     from sglang_tree_spec.engine import METHODS
 
     assert tuple(GENERATE_METHODS) == tuple(METHODS)
+
+
+def test_launch_scripts_parse_and_the_cpu_demo_launches_ddtree():
+    """Every launch script is valid bash; the CPU demo passes DDTREE to SGLang's launcher."""
+    for script in sorted((ROOT / "launch").glob("*.sh")):
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, (script.name, result.stderr)
+    demo = (ROOT / "launch" / "serve-cpu-demo.sh").read_text()
+    assert "--speculative-algorithm DDTREE" in demo
+    assert "sglang.launch_server" in demo
