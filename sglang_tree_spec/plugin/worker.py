@@ -15,7 +15,9 @@ they are projected into the draft KV cache). Each decode step then:
 6. returns ``a + 1`` committed tokens per request (accepted drafts, then the bonus).
 
 Every request keeps ``W`` verify slots, so shapes are fixed for a batch size. The worker runs
-synchronously (no overlap scheduling) with TP 1; the decode step reads nothing on the host.
+synchronously (no overlap scheduling) with TP 1. Sizes come from the scheduler's host copy of
+the sequence lengths, so the step itself reads no device tensor back (only the tree build's early
+stop does, and only on host tensors).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from sglang_tree_spec.tree import (
     build_ddtree,
     build_verify_layout,
     counter_uniforms,
-    full_mask_indptr,
     greedy_accept,
     sample_accept,
     topk_from_logits,
@@ -129,11 +130,9 @@ def _define_worker() -> type:
             window_locs = req_to_token[batch.req_pool_indices[:, None], window_pos].to(
                 torch.int64
             )  # [bs, W] KV slots reserved for this step
-            mask = torch.empty(
-                int(full_mask_indptr(prefix_lens, self.window)[-1]),
-                dtype=torch.bool,
-                device=self.device,
-            )
+            host_lens = self._host_prefix_lens(batch, prefix_lens)
+            mask_size = self.window * int((host_lens + self.window).sum())  # FULL_MASK entries
+            mask = torch.empty(mask_size, dtype=torch.bool, device=self.device)
             write_full_mask(layout.ancestor_mask, prefix_lens, mask)
             logits_output, can_run_graph = self._verify(
                 batch, layout.tokens, layout.positions, window_locs, mask
@@ -187,6 +186,13 @@ def _define_worker() -> type:
                 new_seq_lens=new_seq_lens,
             )
 
+        @staticmethod
+        def _host_prefix_lens(batch: Any, prefix_lens: torch.Tensor) -> torch.Tensor:
+            """``[bs]`` prefix lengths on the host: the scheduler's copy, else one device read."""
+            if batch.seq_lens_cpu is not None:
+                return batch.seq_lens_cpu.to(torch.int64)
+            return prefix_lens.cpu()
+
         def _draft_topk(
             self, batch: Any, bonus: torch.Tensor, prefix_lens: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +208,7 @@ def _define_worker() -> type:
             target_model = self.target_worker.model_runner.model
             draft_dtype = next(self.draft_model.parameters()).dtype
             input_embeds = target_model.get_input_embeddings()(block_ids).to(draft_dtype)
-            seq_lens_cpu = prefix_lens.to("cpu", dtype=torch.int32)
+            seq_lens_cpu = self._host_prefix_lens(batch, prefix_lens).to(torch.int32)
             forward_batch = ForwardBatch(
                 forward_mode=ForwardMode.TARGET_VERIFY,
                 batch_size=bs,
