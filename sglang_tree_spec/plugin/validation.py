@@ -58,7 +58,7 @@ def validate_server_args(server_args: Any) -> None:
     check_device(view.device)
     check_attention_backends(view.device, *_attention_backends(view))
     check_page_size(view.page_size)
-    check_parallelism(view.pp_size, bool(view.enable_dp_attention))
+    check_parallelism(view.tp_size, view.pp_size, bool(view.enable_dp_attention))
     drafter = load_drafter(
         server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
     )
@@ -129,8 +129,10 @@ def check_page_size(page_size: int | None) -> None:
         raise DDTreeConfigError(f"--page-size {page_size} is not supported (use --page-size 1)")
 
 
-def check_parallelism(pp_size: int, enable_dp_attention: bool) -> None:
-    """Like SGLang's DFlash path: no pipeline parallelism, no DP attention."""
+def check_parallelism(tp_size: int, pp_size: int, enable_dp_attention: bool) -> None:
+    """TP 1 for now; like SGLang's DFlash path, no pipeline parallelism, no DP attention."""
+    if int(tp_size) != 1:  # the draft top-K over a vocab-parallel LM head is not written yet
+        raise DDTreeConfigError(f"--tp-size {tp_size} is not supported yet (use --tp-size 1)")
     if int(pp_size) != 1:
         raise DDTreeConfigError(f"--pp-size {pp_size} is not supported (use --pp-size 1)")
     if enable_dp_attention:

@@ -73,8 +73,6 @@ def _define_worker() -> type:
 
         def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(server_args, *args, **kwargs)
-            if self.ps.tp_size != 1:
-                raise NotImplementedError("DDTREE: --tp-size > 1 is not supported yet")
             # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
             # that is the verify window (budget + 1) and the block is the drafter's.
             self.block_size = int(server_args.speculative_dflash_block_size)
