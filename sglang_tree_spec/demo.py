@@ -1,9 +1,13 @@
-"""Demo: plain decoding vs the DFlash chain vs DDTree on the committed small pair.
+"""Demo: plain decoding vs the DFlash chain vs DDTree on a target + drafter pair.
 
-The pair (a small Llama target trained on Python's standard library and its DFlash drafter,
-both by this project's recipes) ships with the package. Prompts are held-out standard-library
-functions, never seen in training. Every method decodes the same batch greedily; the outputs
-must be identical, and the table shows tokens per verify step (tau) and tokens per second.
+By default the pair is SmolLM2-135M-Instruct (``sglang-tree-spec models fetch
+smollm2-135m-instruct``) with its DFlash drafter from ``<cache>/drafters/
+smollm2-135m-instruct-dflash``, prompted with held-out HumanEval problems in its chat template,
+when both are in the cache; otherwise the committed small pair (a small Llama target trained on
+Python's standard library and its DFlash drafter, both by this project's recipes, shipped with
+the package), prompted with held-out standard-library functions never seen in training. Every
+method decodes the same batch greedily; the outputs must be identical, and the table shows
+tokens per verify step (tau) and tokens per second.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target
+from sglang_tree_spec.models import zoo
+
+REAL_TARGET = "smollm2-135m-instruct"
 
 
 @dataclass
@@ -42,6 +50,45 @@ def run_method(engine: SpecEngine, name: str, prompts: list[list[int]], max_new:
     return MethodRun(name, [r.tokens for r in results], seconds, committed / max(steps, 1))
 
 
+def real_drafter_dir() -> Path:
+    """Where the DFlash drafter of :data:`REAL_TARGET` is expected (none is trained yet)."""
+    return zoo.cache_root() / "drafters" / f"{REAL_TARGET}-dflash"
+
+
+def find_real_pair() -> tuple[Path, Path] | None:
+    """``(target dir, drafter dir)`` of SmolLM2 when both are in the cache, else None."""
+    target_dir = zoo.model_dir(REAL_TARGET)
+    drafter_dir = real_drafter_dir()
+    target_ok = zoo.is_complete(target_dir, zoo.get_spec(REAL_TARGET))
+    if target_ok and (drafter_dir / "config.json").is_file():
+        return target_dir, drafter_dir
+    return None
+
+
+def real_pair_hint() -> str:
+    """One line: what is missing for the SmolLM2 demo and how to get it."""
+    if zoo.is_complete(zoo.model_dir(REAL_TARGET), zoo.get_spec(REAL_TARGET)):
+        return (
+            f"SmolLM2 demo: {REAL_TARGET} is fetched, but its DFlash drafter is not trained yet "
+            f"(expected at {real_drafter_dir()}); using the small pair"
+        )
+    return (
+        f"SmolLM2 demo: fetch the target with `sglang-tree-spec models fetch {REAL_TARGET}` "
+        "(its DFlash drafter is not trained yet); using the small pair"
+    )
+
+
+def chat_prompts(
+    tokenizer: PreTrainedTokenizerBase, count: int
+) -> tuple[list[str], list[list[int]]]:
+    """The first ``count`` held-out code problems in the target's chat template: texts, ids."""
+    from sglang_tree_spec.models.datasets import heldout, prompt_ids, render_prompt
+
+    items = heldout("code", count)
+    texts = [render_prompt(tokenizer, item) for item in items]
+    return texts, [prompt_ids(tokenizer, item) for item in items]
+
+
 def run(
     pair_dir: Path | None = None,
     budgets: tuple[int, ...] = (16, 64, 256),
@@ -50,20 +97,32 @@ def run(
 ) -> int:
     from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 
+    real = find_real_pair() if pair_dir is None else None
+    if real is None and pair_dir is None:
+        print(real_pair_hint())
     pair_dir = Path(pair_dir or SMALL_PAIR_DIR)
-    if not (pair_dir / "target" / "config.json").is_file():
+    if real is None and not (pair_dir / "target" / "config.json").is_file():
         print(
             f"no model pair at {pair_dir}: build one with\n"
             f"  sglang-tree-spec models build-small-pair --out {pair_dir}"
         )
         return 1
+    target_dir, drafter_dir = real or (pair_dir / "target", pair_dir / "drafter")
     device = torch.device("cpu")
-    target, tokenizer = load_target(pair_dir / "target", device)
-    drafter = load_drafter(pair_dir / "drafter", device, target.dtype)
-    texts = heldout_prompts(num_prompts)
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    target, tokenizer = load_target(target_dir, device)
+    drafter = load_drafter(drafter_dir, device, target.dtype)
+    if real is None:
+        texts = heldout_prompts(num_prompts)
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    else:
+        try:
+            texts, prompts = chat_prompts(tokenizer, num_prompts)
+        except zoo.ZooError as error:
+            print(f"no held-out prompts for {REAL_TARGET}: {error}")
+            return 1
     print(
-        f"pair: {pair_dir}\n{len(prompts)} held-out prompts, batch of {len(prompts)}, "
+        f"pair: {pair_dir if real is None else f'{target_dir} + {drafter_dir}'}\n"
+        f"{len(prompts)} held-out prompts, batch of {len(prompts)}, "
         f"{max_new_tokens} new tokens each, greedy, device={device}, "
         f"torch threads={torch.get_num_threads()}\n"
     )
