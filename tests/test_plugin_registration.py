@@ -247,11 +247,6 @@ BAD_CONFIGS = [
     ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
     ("tp-2", {"tp_size": 2}, r"--tp-size 2 is not supported yet \(use --tp-size 1\)"),
     (
-        "window-below-block",
-        {"speculative_num_draft_tokens": 3},
-        r"--speculative-num-draft-tokens 3 is smaller than the drafter's block \(4\)",
-    ),
-    (
         "block-size",
         {"speculative_dflash_block_size": 8},
         r"--speculative-dflash-block-size 8 differs from the drafter's block_size 4",

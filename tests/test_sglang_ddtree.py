@@ -209,7 +209,8 @@ def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseli
 
 
 def test_engine_in_process_serves_ddtree(pair, prompts, baseline):
-    """``sglang.Engine`` (the plugin loads through the entry point in every process)."""
+    """``sglang.Engine`` (the plugin loads through the entry point in every process), at a
+    budget whose verify window is shorter than the drafter's block."""
     import sglang
 
     engine = sglang.Engine(
@@ -222,7 +223,7 @@ def test_engine_in_process_serves_ddtree(pair, prompts, baseline):
         random_seed=0,
         speculative_algorithm="DDTREE",
         speculative_draft_model_path=str(pair["drafter"]),
-        speculative_num_draft_tokens=17,
+        speculative_num_draft_tokens=5,  # budget 4: the window is shorter than the block (8)
     )
     try:
         outputs = engine.generate(

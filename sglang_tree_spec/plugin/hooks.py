@@ -72,7 +72,8 @@ HOOKS: tuple[Hook, ...] = (
         kind="REPLACE",
         make=_ddtree_server_args,
         patch="0001-server-args-ddtree-flags.diff",
-        reason="add the --speculative-ddtree-* fields (CLI, Engine kwargs, config bags)",
+        reason="add the --speculative-ddtree-* fields (CLI, Engine kwargs, config bags); the "
+        "class also carries DDTREE's KV reservation (diff 0010)",
     ),
     Hook(
         target="sglang.srt.entrypoints.engine.Engine.server_args_class",

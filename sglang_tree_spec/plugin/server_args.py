@@ -26,3 +26,19 @@ class DDTreeServerArgs(sglang_server_args.ServerArgs):
     """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other algorithms)."""
 
     speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
+
+    @property
+    def max_speculative_num_draft_tokens(self) -> int | None:
+        """KV slots SGLang reserves per request and decode step.
+
+        A DDTREE step writes the verify window (``--speculative-num-draft-tokens``) and, before
+        it, the drafter's block at the same slots; the reservation covers the longer of the
+        two, so a budget below the block size works. Mirrored by
+        ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``. (A plain property, not
+        SGLang's cached one: the block size is filled in after the arguments are parsed.)
+        """
+        tokens = super().max_speculative_num_draft_tokens
+        block = self.speculative_dflash_block_size
+        if self.speculative_algorithm == "DDTREE" and tokens is not None and block:
+            return max(tokens, int(block))
+        return tokens

@@ -64,17 +64,6 @@ def validate_server_args(server_args: Any) -> None:
     )
     check_drafter_matches_target(drafter, server_args.get_model_config().hf_config)
     check_block_size(drafter, server_args.speculative_dflash_block_size)
-    check_window_holds_block(server_args.speculative_num_draft_tokens, drafter.block_size)
-
-
-def check_window_holds_block(num_draft_tokens: int | None, block_size: int) -> None:
-    """SGLang reserves ``num_draft_tokens`` KV slots per request and step; the drafter's
-    block is written there too, so the verify window must be at least one block."""
-    if num_draft_tokens is not None and int(num_draft_tokens) < block_size:
-        raise DDTreeConfigError(
-            f"--speculative-num-draft-tokens {num_draft_tokens} is smaller than the drafter's "
-            f"block ({block_size}); use a tree budget of at least {block_size - 1}"
-        )
 
 
 def check_draft_model_path(path: str | None) -> None:

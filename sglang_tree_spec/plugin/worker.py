@@ -144,10 +144,11 @@ def _define_worker() -> type:
                 )
             result = self._accept(batch, tree, logits.view(bs, self.window, -1), prefix_lens)
             commit_lens = (result.accept_len + 1).to(torch.int32)  # [bs]
-            path_slots = result.accepted_slots  # [bs, L + 1], root first, -1 after the path
+            # A path has at most min(L, budget) nodes after the root: P = min(L + 1, W) slots.
+            path_width = min(result.accepted_slots.shape[1], self.window)
+            path_slots = result.accepted_slots[:, :path_width]  # [bs, P] root first, then -1
 
             # Target KV of the accepted path -> contiguous slots prefix .. prefix + a.
-            path_width = path_slots.shape[1]
             on_path = path_slots >= 0
             dst_locs = window_locs[:, :path_width]
             path_locs = window_locs.gather(1, path_slots.clamp_min(0))
@@ -171,7 +172,7 @@ def _define_worker() -> type:
             new_seq_lens = prefix_lens + commit_lens.to(torch.int64)
             if on_publish is not None:
                 on_publish(new_seq_lens)
-            out_tokens = result.committed_tokens.clamp_min(0)  # [bs, L + 1]
+            out_tokens = result.committed_tokens[:, :path_width].clamp_min(0)  # [bs, P]
             return GenerationBatchResult(
                 logits_output=logits_output,
                 next_token_ids=out_tokens.reshape(-1),
