@@ -37,9 +37,10 @@ from sglang_tree_spec.engine.kv import (
     verify_attention_mask,
 )
 from sglang_tree_spec.graft import (
-    RankAcceptance,
+    EdgeAcceptance,
     StageConfig,
     SuccessorTable,
+    edge_evidence,
     graft_stage,
     graft_unified,
     stage_confidences,
@@ -145,9 +146,9 @@ class SpecEngine:
 
     Graft state, kept across :meth:`generate` calls and shared by all requests: ``successors``
     (a :class:`SuccessorTable`, warm-started from each prompt's bigrams) and, for
-    ``ddtree-graft-unified``, ``rank_acceptance``. Set ``confidence_log = []`` to record, for
-    every speculative step, ``(stage_confidences [bs, C], accept_len [bs])`` (the input
-    of :func:`~sglang_tree_spec.graft.calibrate_stage`).
+    ``ddtree-graft-unified``, ``edge_acceptance`` (its online edge probabilities). Set
+    ``confidence_log = []`` to record, for every speculative step, ``(stage_confidences
+    [bs, C], accept_len [bs])`` (the input of :func:`~sglang_tree_spec.graft.calibrate_stage`).
     """
 
     def __init__(
@@ -190,7 +191,8 @@ class SpecEngine:
             SuccessorTable(self.vocab_size, successors_k, self.device) if graft else None
         )
         unified = method == "ddtree-graft-unified"
-        self.rank_acceptance = RankAcceptance(successors_k, device=self.device) if unified else None
+        self.edge_acceptance = EdgeAcceptance(successors_k, device=self.device) if unified else None
+        self._edge_evidence: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last tree
         self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------- public API
@@ -322,8 +324,8 @@ class SpecEngine:
         if self.method == "ddtree-graft-stage":
             tree = graft_stage(tree, lp, tok, batch.bonus, self.successors, self.stage)
         elif self.method == "ddtree-graft-unified":
-            rates = self.rank_acceptance.rates()
-            tree = graft_unified(tree, lp, tok, batch.bonus, self.successors, rates)
+            tree = graft_unified(tree, lp, tok, batch.bonus, self.successors, self.edge_acceptance)
+            self._edge_evidence = edge_evidence(tree, lp, tok, batch.bonus, self.successors)
         return tree, lp
 
     def _learn_successors(
@@ -334,13 +336,11 @@ class SpecEngine:
         Args:
             tree: the verified trees; ``tokens [bs, W]`` and ``logits [bs, W, V]`` the window
                 and the target's logits at every slot; ``committed [bs, L + 1]`` the committed
-                tokens (-1 padded). Rank acceptance is counted against the rows the tree was
-                drafted from, before the table takes this step's logits.
+                tokens (-1 padded). Edge acceptance is counted against the evidence the tree
+                was drafted from (the rows before the table takes this step's logits).
         """
-        if self.rank_acceptance is not None:
-            parents = torch.cat([tokens[:, :1], committed[:, :-1]], dim=1)  # root, then path
-            rows = self.successors.rows(parents).flatten(0, 1)
-            self.rank_acceptance.observe(rows, committed.flatten(), committed.flatten() >= 0)
+        if self.edge_acceptance is not None:
+            self.edge_acceptance.observe(tree, *self._edge_evidence, committed)
         valid = window_valid(tree).flatten()
         self.successors.update(tokens.flatten(), logits.flatten(0, 1), valid)
 

@@ -3,9 +3,11 @@
 Pure torch, batched, no SGLang or transformers imports. :class:`SuccessorTable` is refreshed
 from the target's verify logits; :func:`graft_stage` (Graft's prune-then-graft rule) and
 :func:`graft_unified` (one best-first choice over draft and retrieved nodes) rewrite a DDTree's
-slots without changing its shape.
+slots without changing its shape; :class:`EdgeAcceptance` learns the unified policy's edge
+probabilities online.
 """
 
+from sglang_tree_spec.graft.edges import EdgeAcceptance, edge_evidence, evidence_classes
 from sglang_tree_spec.graft.policies import (
     StageConfig,
     calibrate_stage,
@@ -16,7 +18,6 @@ from sglang_tree_spec.graft.policies import (
 from sglang_tree_spec.graft.table import UNKNOWN, SuccessorTable
 from sglang_tree_spec.graft.template import (
     DEFAULT_RANK_PRIOR,
-    RankAcceptance,
     RankTemplate,
     rank_template,
 )
@@ -24,11 +25,13 @@ from sglang_tree_spec.graft.template import (
 __all__ = [
     "DEFAULT_RANK_PRIOR",
     "UNKNOWN",
-    "RankAcceptance",
+    "EdgeAcceptance",
     "RankTemplate",
     "StageConfig",
     "SuccessorTable",
     "calibrate_stage",
+    "edge_evidence",
+    "evidence_classes",
     "graft_stage",
     "graft_unified",
     "rank_template",

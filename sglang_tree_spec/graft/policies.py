@@ -7,32 +7,39 @@ tokens and a :class:`~sglang_tree_spec.graft.table.SuccessorTable`, and return a
 The output's ``logprobs`` keep their contract, the path log-probability under the drafter's
 marginals, a token outside the drafter's top-K at its depth counting ``LOGPROB_FLOOR``.
 
-Shared machinery, all batched with fixed shapes (Python loops run over depths only):
+* :func:`graft_stage` (Graft's rule) works on a pool, batched with fixed shapes (Python loops
+  run over depths only):
 
-1. *Pool* -- the ``B`` draft nodes then a retrieval envelope of ``T = B`` rank-path nodes
-   (:mod:`~sglang_tree_spec.graft.template`) rooted at the bonus token, tokens looked up in
-   the table depth by depth. A retrieved node whose parent is the root or a merged node, and
-   whose token equals a draft child of that parent, *merges* into that draft node: one pool
-   entry carrying both the draft marginal and the retrieval rank, and the retrieved node's
-   children hang under the draft node. A retrieved node with an UNKNOWN token (or under one)
-   is never selectable: its slot stays with a draft node, or becomes padding.
-2. *Priority* -- the policy's order over pool entries, non-decreasing from parent to child so
-   that any best-``B`` set is prefix closed.
-3. *Select* -- the ``B`` best entries, laid out breadth-first with parents re-indexed.
+  1. *Pool* -- the ``B`` draft nodes then a retrieval envelope of ``T = B`` rank-path nodes
+     (:mod:`~sglang_tree_spec.graft.template`) rooted at the bonus token, tokens looked up in
+     the table depth by depth. A retrieved node whose parent is the root or a merged node, and
+     whose token equals a draft child of that parent, *merges* into that draft node: one pool
+     entry carrying both the draft marginal and the retrieval rank, and the retrieved node's
+     children hang under the draft node. A retrieved node with an UNKNOWN token (or under one)
+     is never selectable: its slot stays with a draft node, or becomes padding.
+  2. *Priority* -- the policy's order over pool entries, non-decreasing from parent to child so
+     that any best-``B`` set is prefix closed.
+  3. *Select* -- the ``B`` best entries, laid out breadth-first with parents re-indexed.
+
+* :func:`graft_unified` (ours) runs DDTree's per-depth beam over a larger lattice, the
+  drafter's top-K and the table's successors below every node, with edge probabilities
+  learned online (:mod:`~sglang_tree_spec.graft.edges`), and shares step 3.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
+from sglang_tree_spec.graft.edges import EdgeAcceptance, draft_marginals
 from sglang_tree_spec.graft.table import UNKNOWN, SuccessorTable
 from sglang_tree_spec.graft.template import (
     RankTemplate,
     best_first_position,
-    rank_template,
     static_template,
 )
 from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR, DraftTree
@@ -65,27 +72,6 @@ class _Pool:
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
-
-
-def draft_marginals(
-    topk_logprobs: torch.Tensor,
-    topk_tokens: torch.Tensor,
-    depths: torch.Tensor,
-    tokens: torch.Tensor,
-) -> torch.Tensor:
-    """``[bs, N]`` float32 floored log q_d(token) of each node at its depth, ``LOGPROB_FLOOR``
-    when the token is outside the drafter's top-K there.
-
-    Args:
-        topk_logprobs, topk_tokens: ``[bs, L, K]``.
-        depths, tokens: ``[bs, N]`` int64, depths in 1..L.
-    """
-    k = topk_tokens.shape[2]
-    row = (depths - 1).unsqueeze(2).expand(-1, -1, k)  # [bs, N, K]
-    candidates = topk_tokens.to(torch.long).gather(1, row)
-    lp = topk_logprobs.float().clamp_min(LOGPROB_FLOOR).gather(1, row)
-    hit = candidates == tokens.unsqueeze(2)
-    return torch.where(hit, lp, LOGPROB_FLOOR).max(dim=2).values
 
 
 def _build_pool(
@@ -158,25 +144,39 @@ def _build_pool(
     )
 
 
-def _select(pool: _Pool, key: torch.Tensor, budget: int, max_depth: int) -> DraftTree:
-    """The ``budget`` entries of lowest ``key`` (unique, ``_LAST`` for unselectable ones),
-    breadth-first (by depth, then pool index), as a :class:`DraftTree`."""
-    bs, n = pool.tokens.shape
-    device = pool.tokens.device
+def _select(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    key: torch.Tensor,
+    budget: int,
+    max_depth: int,
+) -> DraftTree:
+    """The ``budget`` candidates of lowest ``key`` (unique, ``_LAST`` for unselectable ones),
+    breadth-first (by depth, then candidate index), as a :class:`DraftTree`.
+
+    Args:
+        tokens, parents, depths, logprobs, valid, key: ``[bs, N]`` candidates; ``parents`` is
+            a candidate index (-1 under the root). The chosen set must be prefix closed.
+    """
+    bs, n = tokens.shape
+    device = tokens.device
     chosen = torch.topk(key, budget, dim=1, largest=False, sorted=False).indices  # [bs, B]
-    real = pool.valid.gather(1, chosen)
-    bfs = torch.where(real, pool.depths.gather(1, chosen) * n, (max_depth + 1) * n) + chosen
+    real = valid.gather(1, chosen)
+    bfs = torch.where(real, depths.gather(1, chosen) * n, (max_depth + 1) * n) + chosen
     chosen = chosen.gather(1, bfs.argsort(dim=1))
-    real = pool.valid.gather(1, chosen)
+    real = valid.gather(1, chosen)
     node_of = torch.full((bs, n), -1, dtype=torch.long, device=device)
     node_of.scatter_(1, chosen, torch.arange(budget, device=device).expand(bs, budget))
-    parent = pool.parents.gather(1, chosen)
-    parents = torch.where(parent >= 0, node_of.gather(1, parent.clamp_min(0)), -1)
+    parent = parents.gather(1, chosen)
+    parent = torch.where(parent >= 0, node_of.gather(1, parent.clamp_min(0)), -1)
     return DraftTree(
-        tokens=torch.where(real, pool.tokens.gather(1, chosen), 0),
-        parents=torch.where(real, parents, -1),
-        depths=torch.where(real, pool.depths.gather(1, chosen), 1),
-        logprobs=torch.where(real, pool.logprobs.gather(1, chosen), float("-inf")),
+        tokens=torch.where(real, tokens.gather(1, chosen), 0),
+        parents=torch.where(real, parent, -1),
+        depths=torch.where(real, depths.gather(1, chosen), 1),
+        logprobs=torch.where(real, logprobs.gather(1, chosen), float("-inf")),
         valid=real,
         max_depth=max_depth,
     )
@@ -288,7 +288,16 @@ def graft_stage(
     n = pool.size
     index = torch.arange(n, device=tree.device)
     key = torch.where(pool.valid, priority * n + index, _LAST)
-    return _select(pool, key, budget, tree.max_depth)
+    return _select(
+        pool.tokens,
+        pool.parents,
+        pool.depths,
+        pool.logprobs,
+        pool.valid,
+        key,
+        budget,
+        tree.max_depth,
+    )
 
 
 def calibrate_stage(
@@ -355,48 +364,112 @@ def graft_unified(
     topk_tokens: torch.Tensor,
     root_tokens: torch.Tensor,
     table: SuccessorTable,
-    rank_probs: torch.Tensor,
+    edges: EdgeAcceptance,
 ) -> DraftTree:
-    """One best-first selection over draft and retrieved candidates under DDTree's surrogate.
+    """One best-first selection over drafted and retrieved candidates under DDTree's surrogate.
 
-    Every pool entry ``u`` gets an edge probability, the chance that it matches given that its
-    parent was accepted: ``q`` = the drafter's marginal of its token at its depth (0 outside
-    the top-K), ``a`` = the online acceptance rate of its retrieval rank (0 for a draft-only
-    node); a node that is both (merged) combines them as ``1 - (1 - q)(1 - a)``, the chance
-    that either source's evidence holds if they were independent. Its surrogate is the product
-    of edge probabilities along its path, and the ``B`` most probable entries are selected
-    (ties toward shallower nodes). Edge probabilities are at most 1, so the choice is prefix
-    closed.
+    The candidate lattice: every node (the root included) has as children the drafter's
+    top-K tokens at the next depth *and* the known successors of its own token in the table,
+    a token that is both counted once. So retrieved candidates hang below any node, drafted
+    or retrieved, not only below the root. A child's edge probability is
+    ``p = edges.probs(depth, evidence, q)``, the online chance that it matches given an
+    accepted parent, where ``q`` is the drafter's marginal of the token at that depth (0 outside
+    the top-K) and ``evidence`` its rank in the parent token's row (or absent from a full row,
+    or unseen) -- see :mod:`~sglang_tree_spec.graft.edges`. A node's score is the product of
+    the edge probabilities on its path, as DDTree's ``q(u)``, and the tree is the ``B`` best
+    nodes. With an empty table every token is UNSEEN and a fresh ``edges`` gives ``p = q``:
+    the DDTree itself (up to ties).
 
-    Approximation: the candidates are the DDTree's ``B`` nodes and a best-first envelope of
-    ``B`` rank paths under ``rank_probs``; a draft node outside the DDTree (whose surrogate a
-    merged ancestor may have raised) is not a candidate.
+    Selection is DDTree's per-depth beam: beam_1 = the ``B`` best children of the root,
+    beam_{d+1} = the ``B`` best children of beam_d, then the ``B`` best of all beams by (score
+    descending, depth ascending). ``0 < p < 1`` keeps a child strictly below its parent, so the
+    answer is prefix closed; a child in some beam always has its parent in the previous one. It
+    is exact for DDTree's lattice (edges shared by all parents) and an approximation here
+    (edges depend on the parent's row): a node outside its depth's beam is never chosen.
+    Cost per depth: ``B * (K + k)`` candidates, a sorted search of the ``B * k`` row tokens among
+    the ``K`` drafted ones, one top-B; fixed shapes, no host synchronisation.
+
+    The input ``tree`` fixes ``B`` and ``L`` only (it is contained in the lattice). Output
+    ``logprobs`` keep the DraftTree contract (path log-prob under the drafter's marginals,
+    ``LOGPROB_FLOOR`` per retrieved-only edge); the selection score is not stored.
 
     Args:
         tree: ``[bs, B]`` DDTree.
-        topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K.
+        topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K (sorted descending).
         root_tokens: ``[bs]`` bonus tokens.
         table: the successor table.
-        rank_probs: ``[table.k]`` acceptance rate of each successor rank
-            (:meth:`~sglang_tree_spec.graft.template.RankAcceptance.rates`).
+        edges: the edge acceptance estimate (:class:`~sglang_tree_spec.graft.edges.
+            EdgeAcceptance`, same ``k`` as the table).
     """
     _check_inputs(tree, topk_tokens, root_tokens)
-    if rank_probs.shape != (table.k,):
-        raise ValueError(f"rank_probs must be [{table.k}], got {tuple(rank_probs.shape)}")
-    budget, depth_count = tree.budget, tree.max_depth
-    template = rank_template(rank_probs.to(tree.device), budget, depth_count)
-    pool = _build_pool(tree, template, topk_logprobs, topk_tokens, root_tokens, table)
-    q = draft_marginals(topk_logprobs, topk_tokens, pool.depths, pool.tokens).exp()
-    a = torch.where(pool.rank >= 0, rank_probs.to(q.device)[pool.rank.clamp_min(0)], 0.0)
-    log_edge = torch.log1p(-(1.0 - q) * (1.0 - a)).clamp_min(LOGPROB_FLOOR)  # [bs, N]
-    score = torch.zeros_like(log_edge)
-    parent = pool.parents.clamp_min(0)
-    for depth in range(1, depth_count + 1):  # parents are one depth up: done the round before
-        parent_score = torch.where(pool.parents >= 0, score.gather(1, parent), 0.0)
-        score = torch.where(pool.depths == depth, parent_score + log_edge, score)
-    score = torch.where(pool.valid, score, float("-inf"))
-    # Unique key: position in (score desc, depth asc, index asc) order.
-    by_depth = pool.depths.argsort(dim=1, stable=True)
-    position = best_first_position(score.gather(1, by_depth))
-    key = torch.empty_like(position).scatter_(1, by_depth, position)
-    return _select(pool, torch.where(pool.valid, key, _LAST), budget, depth_count)
+    if edges.k != table.k:
+        raise ValueError(f"edges.k = {edges.k} does not match the table's k = {table.k}")
+    bs, budget, depth_count = tree.batch_size, tree.budget, tree.max_depth
+    k, top = table.k, topk_tokens.shape[2]
+    device = tree.device
+    width = top + k  # children per parent: drafted, then retrieved
+    lp_all = topk_logprobs.float().clamp_min(LOGPROB_FLOOR)
+    drafted_all = topk_tokens.to(torch.long)
+    # Per depth, the drafted tokens sorted (contiguous rows, for the search of row tokens).
+    sorted_all, order_all = (x.transpose(0, 1).contiguous() for x in drafted_all.sort(dim=2))
+    log_p_all, retrieved_log_p_all = edges.log_probs_by_evidence(topk_logprobs.float().exp())
+    ranks = torch.arange(k, device=device)
+    # The parents of the current depth: the root, then the previous beam.
+    parent_tokens = root_tokens.to(torch.long).view(bs, 1)
+    parent_score = torch.zeros(bs, 1, device=device)
+    parent_lp = torch.zeros(bs, 1, device=device)
+    beams: list[tuple[torch.Tensor, ...]] = []  # (score, token, parent, logprob) [bs, B]
+    for d in range(depth_count):
+        n_parents = parent_tokens.shape[1]
+        rows = table.table[parent_tokens].to(torch.long)  # [bs, P, k]; parents are real tokens
+        known = rows != UNKNOWN
+        # Where each row token sits among the drafted tokens (sorted search, not [P, K, k]).
+        flat_rows = rows.view(bs, n_parents * k)
+        at = torch.searchsorted(sorted_all[d], flat_rows).clamp_max_(top - 1)
+        in_draft = (sorted_all[d].gather(1, at) == flat_rows).view(bs, n_parents, k) & known
+        column = torch.where(in_draft, order_all[d].gather(1, at).view(bs, n_parents, k), top)
+        # Evidence of the drafted children: their rank in the parent's row, else absent or
+        # unseen (column ``top`` absorbs the row tokens the drafter does not propose).
+        evidence = (k + known.all(dim=2, keepdim=True).logical_not()).expand(-1, -1, top + 1)
+        evidence = evidence.scatter(2, column, ranks.expand(bs, n_parents, k))[:, :, :top]
+        drafted_log_p = log_p_all[:, d].unsqueeze(1).expand(-1, n_parents, -1, -1)
+        drafted_log_p = drafted_log_p.gather(3, evidence.unsqueeze(3)).squeeze(3)  # [bs, P, K]
+        retrieved_log_p = torch.where(known & ~in_draft, retrieved_log_p_all[d], float("-inf"))
+        # [bs, P * (K + k)]: drafted children, then retrieved ones; -inf under invalid parents
+        score = parent_score.unsqueeze(2) + torch.cat([drafted_log_p, retrieved_log_p], 2)
+        score = score.flatten(1)
+        best = torch.topk(score, min(budget, score.shape[1]), dim=1, sorted=True)
+        beam_score, chosen = best.values, best.indices
+        if beam_score.shape[1] < budget:  # a lattice narrower than the budget (depth 1)
+            beam_score = F.pad(beam_score, (0, budget - beam_score.shape[1]), value=-math.inf)
+            chosen = F.pad(chosen, (0, budget - chosen.shape[1]))
+        beam_parent, child = chosen // width, chosen % width
+        is_drafted = child < top
+        drafted_child = child.clamp_max(top - 1)
+        beam_token = torch.where(
+            is_drafted,
+            drafted_all[:, d].gather(1, drafted_child),
+            flat_rows.gather(1, beam_parent * k + (child - top).clamp_min_(0)).clamp_min_(0),
+        )
+        edge_lp = torch.where(is_drafted, lp_all[:, d].gather(1, drafted_child), LOGPROB_FLOOR)
+        beam_lp = parent_lp.gather(1, beam_parent) + edge_lp
+        parent_index = beam_parent + (d - 1) * budget if d > 0 else torch.full_like(chosen, -1)
+        beams.append((beam_score, beam_token, parent_index, beam_lp))
+        parent_tokens, parent_score, parent_lp = beam_token, beam_score, beam_lp
+
+    score, tokens, parents, logprobs = (torch.cat(x, dim=1) for x in zip(*beams, strict=True))
+    depths = torch.arange(1, depth_count + 1, device=device).repeat_interleave(budget)
+    valid = score > float("-inf")
+    # Unique key: position in (score desc, depth asc, beam position asc) order; the beams are
+    # laid out depth-major and sorted, so a stable sort of the scores gives it.
+    key = best_first_position(score)
+    return _select(
+        tokens,
+        parents,
+        depths.expand(bs, -1),
+        logprobs,
+        valid,
+        torch.where(valid, key, _LAST),
+        budget,
+        depth_count,
+    )

@@ -1,4 +1,4 @@
-"""Retrieval templates over successor ranks, and the online rank acceptance they are built from.
+"""Retrieval templates over successor ranks (the stage policy's static Token Recycling shape).
 
 A template is a tree of *rank paths* rooted at the bonus token: node ``(r_1, ..., r_d)`` is
 retrieved as ``M[M[...M[root, r_1]...], r_d]``. With a per-rank acceptance probability ``a_r``
@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_tree_spec.graft.table import UNKNOWN
 from sglang_tree_spec.tree.ddtree import build_ddtree
 
 # Static prior P(rank r of an accepted token's row is the target's next token), used by the
-# stage policy's template and as the Beta prior of the online estimate. A strong rank 0 makes
-# the rank-0 chain the deepest branch: a 52-node, 9-deep template spreads 5 + 9 + 10 + 9 + 9 +
-# 7 + 1 + 1 + 1 over its depths (the paper's hand-made d0 template: 8 + 10 + 8 + 6 + 5 + 4 + 4 +
-# 4 + 3; a product of per-rank rates cannot keep width that deep).
+# stage policy's template and in the prior of the unified policy's edge estimate. A strong rank
+# 0 makes the rank-0 chain the deepest branch: a 52-node, 9-deep template spreads 5 + 9 + 10 +
+# 9 + 9 + 7 + 1 + 1 + 1 over its depths (the paper's hand-made d0 template: 8 + 10 + 8 + 6 +
+# 5 + 4 + 4 + 4 + 3; a product of per-rank rates cannot keep width that deep).
 DEFAULT_RANK_PRIOR = (0.75, 0.12, 0.07, 0.045, 0.03, 0.02, 0.014, 0.01)
 
 
@@ -86,41 +85,6 @@ def rank_template(rank_probs: torch.Tensor, size: int, max_depth: int) -> RankTe
 def static_template(size: int, max_depth: int, k: int, device: torch.device) -> RankTemplate:
     """:func:`rank_template` of the static prior (:func:`static_template_prior`), cached."""
     return rank_template(static_template_prior(k).to(device), size, max_depth)
-
-
-class RankAcceptance:
-    """Online estimate of ``a_r``: how often rank ``r`` of an accepted token's row is the
-    target's next token (hits / trials with a Beta prior, counted on the device, no sync).
-
-    A trial is a committed bigram ``(x, y)`` (``x`` accepted or the root, ``y`` the token the
-    target committed after it) against the row of ``x`` as it was when the tree was drafted:
-    rank ``r`` is tried when ``M[x, r]`` is known and hits when it equals ``y``.
-
-    Args:
-        k: ranks per row.
-        strength: pseudo-trials of the prior :data:`DEFAULT_RANK_PRIOR`.
-    """
-
-    def __init__(self, k: int, strength: float = 16.0, device: torch.device | str = "cpu"):
-        prior = static_template_prior(k).to(device)
-        self.trials = torch.full((k,), float(strength), dtype=torch.float64, device=device)
-        self.hits = prior.double() * strength
-
-    def observe(self, rows: torch.Tensor, successors: torch.Tensor, valid: torch.Tensor) -> None:
-        """Count trials and hits.
-
-        Args:
-            rows: ``[N, k]`` the parents' successor rows at drafting time.
-            successors: ``[N]`` the committed next token of each parent.
-            valid: ``[N]`` bool, false for unused entries.
-        """
-        known = (rows != UNKNOWN) & valid.unsqueeze(1)
-        self.trials += known.sum(dim=0)
-        self.hits += (known & (rows == successors.unsqueeze(1))).sum(dim=0)
-
-    def rates(self) -> torch.Tensor:
-        """``[k]`` float32 current estimate of ``a_r``, in (0, 1)."""
-        return (self.hits / self.trials).float()
 
 
 def static_template_prior(k: int) -> torch.Tensor:
