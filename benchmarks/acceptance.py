@@ -221,22 +221,10 @@ def plot(record: dict, path: Path) -> None:
                     ha="center",
                     fontsize=8,
                 )
-            ax.axhline(
-                rows["chain"][key],
-                color="C1",
-                ls="--",
-                label=f"chain ({rows['chain'][key]:.2f})"
-                if key == "tau"
-                else f"chain ({rows['chain'][key]:.0f})",
-            )
-            ax.axhline(
-                rows["ar"][key],
-                color="C2",
-                ls=":",
-                label=f"ar ({rows['ar'][key]:.2f})"
-                if key == "tau"
-                else f"ar ({rows['ar'][key]:.0f})",
-            )
+            for method, color, style in (("chain", "C1", "--"), ("ar", "C2", ":")):
+                value = rows[method][key]
+                shown = f"{value:.2f}" if key == "tau" else f"{value:.0f}"
+                ax.axhline(value, color=color, ls=style, label=f"{method} ({shown})")
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.set_ylabel(ylabel)
