@@ -148,24 +148,8 @@ def _define_worker() -> type:
             path_width = min(result.accepted_slots.shape[1], self.window)
             path_slots = result.accepted_slots[:, :path_width]  # [bs, P] root first, then -1
 
-            # Target KV of the accepted path -> contiguous slots prefix .. prefix + a.
-            on_path = path_slots >= 0
-            dst_locs = window_locs[:, :path_width]
-            path_locs = window_locs.gather(1, path_slots.clamp_min(0))
-            src_locs = torch.where(on_path, path_locs, dst_locs)  # off the path: move in place
-            self.model_runner.token_to_kv_pool.move_kv_cache(dst_locs.flatten(), src_locs.flatten())
-
-            # Drafter context KV of the committed tokens, from the target's hidden states.
-            hidden = logits_output.hidden_states.view(bs, self.window, -1)
-            path_hidden = hidden.gather(
-                1, path_slots.clamp_min(0)[:, :, None].expand(-1, -1, hidden.shape[-1])
-            )
-            self._append_target_hidden_to_draft_kv_by_loc(
-                target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
-                cache_loc=dst_locs.reshape(-1),
-                cache_loc_2d=dst_locs,
-                positions=window_pos[:, :path_width].reshape(-1),
-                commit_lens=commit_lens,
+            self._keep_accepted_path(
+                path_slots, window_locs, window_pos, logits_output.hidden_states, commit_lens
             )
             logits_output.hidden_states = None
 
@@ -183,6 +167,41 @@ def _define_worker() -> type:
                 ),
                 speculative_num_draft_tokens=path_width,
                 new_seq_lens=new_seq_lens,
+            )
+
+        def _keep_accepted_path(
+            self,
+            path_slots: torch.Tensor,
+            window_locs: torch.Tensor,
+            window_pos: torch.Tensor,
+            hidden_states: torch.Tensor,
+            commit_lens: torch.Tensor,
+        ) -> None:
+            """Make the accepted path the request's next ``a + 1`` cached tokens.
+
+            Args:
+                path_slots: ``[bs, P]`` window slots of the path, root first, -1 after it.
+                window_locs, window_pos: ``[bs, W]`` KV slots and positions of the window.
+                hidden_states: ``[bs * W, H]`` the target's captured hidden states.
+                commit_lens: ``[bs]`` int32 ``a + 1``.
+
+            The target KV of path slot ``j`` moves to window slot ``j`` (position prefix + j);
+            off the path the move is a no-op. The drafter's context KV for those positions is
+            written from the path's target hidden states.
+            """
+            bs, width = path_slots.shape
+            slots = path_slots.clamp_min(0)
+            dst_locs = window_locs[:, :width]
+            src_locs = torch.where(path_slots >= 0, window_locs.gather(1, slots), dst_locs)
+            self.model_runner.token_to_kv_pool.move_kv_cache(dst_locs.flatten(), src_locs.flatten())
+            hidden = hidden_states.view(bs, self.window, -1)
+            path_hidden = hidden.gather(1, slots[:, :, None].expand(-1, -1, hidden.shape[-1]))
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+                cache_loc=dst_locs.reshape(-1),
+                cache_loc_2d=dst_locs,
+                positions=window_pos[:, :width].reshape(-1),
+                commit_lens=commit_lens,
             )
 
         @staticmethod
