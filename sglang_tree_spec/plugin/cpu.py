@@ -1,4 +1,9 @@
-"""What SGLang needs to serve on a CPU-only machine, applied only when serving on CPU."""
+"""What SGLang 0.5.17 lacks to serve DDTREE on a CPU-only machine, as hook callables.
+
+Each hook leaves GPU serving unchanged (it defers to SGLang's original off CPU, or only adds
+what was missing: the torch-native backend's target verify, the drafter's embeddings in the
+served dtype). :mod:`.hooks` lists them with their upstream diffs.
+"""
 
 from __future__ import annotations
 
