@@ -23,10 +23,12 @@ stop does, and only on host tensors).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
 
+from sglang_tree_spec.plugin.step_times import PhaseTimer
 from sglang_tree_spec.tree import (
     build_ddtree,
     build_verify_layout,
@@ -87,6 +89,7 @@ def _define_worker() -> type:
                 draft_token_num=self.block_size, device=self.device
             )
             self._generator = torch.Generator().manual_seed(int(server_args.random_seed or 0))
+            self._timer = PhaseTimer.from_env(self.device, partial(logger.info, "DDTREE %s"))
             self._use_fused_kv_materialize = False
             self._fused_kv_helper = None
             self._draft_sampler = None
@@ -119,8 +122,11 @@ def _define_worker() -> type:
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
             bonus = batch.spec_info.bonus_tokens.to(torch.int64)  # [bs] slot-0 tokens
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            timer = self._timer
+            timer.start()
 
             topk_logprobs, topk_tokens = self._draft_topk(batch, bonus, prefix_lens)
+            timer.mark("draft")
             tree = build_ddtree(topk_logprobs, topk_tokens, self.budget, validate=False)
             layout = build_verify_layout(tree, bonus, prefix_lens)
 
@@ -132,9 +138,11 @@ def _define_worker() -> type:
             mask_size = self.window * int((host_lens + self.window).sum())  # FULL_MASK entries
             mask = torch.empty(mask_size, dtype=torch.bool, device=self.device)
             write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+            timer.mark("tree")
             logits_output, can_run_graph = self._verify(
                 batch, layout.tokens, layout.positions, window_locs, mask
             )
+            timer.mark("verify")
             logits = logits_output.next_token_logits  # [bs * W, V]
             if batch.sampling_info is not None:
                 apply_dflash_verify_logits_adjustments(
@@ -147,11 +155,14 @@ def _define_worker() -> type:
             # A path has at most min(L, budget) nodes after the root: P = min(L + 1, W) slots.
             path_width = min(result.accepted_slots.shape[1], self.window)
             path_slots = result.accepted_slots[:, :path_width]  # [bs, P] root first, then -1
+            timer.mark("accept")
 
             self._keep_accepted_path(
                 path_slots, window_locs, window_pos, logits_output.hidden_states, commit_lens
             )
             logits_output.hidden_states = None
+            timer.mark("commit")
+            timer.end_step(bs)
 
             new_seq_lens = prefix_lens + commit_lens.to(torch.int64)
             if on_publish is not None:

@@ -1,0 +1,79 @@
+"""Where a DDTREE decode step spends its time, when asked.
+
+``SGLANG_TREE_SPEC_STEP_TIMES=N`` (N > 0) logs the mean time per phase every N decode steps.
+
+Off by default: timing a GPU step honestly needs a device synchronisation at every phase
+boundary, which the hot path must not pay.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+ENV_FLAG = "SGLANG_TREE_SPEC_STEP_TIMES"
+
+
+class PhaseTimer:
+    """Mean wall time per named phase of a step, reported every ``every`` steps.
+
+    Call :meth:`start` at the top of a step, :meth:`mark` at the end of each phase (the phase
+    runs from the previous mark) and :meth:`end_step` last. Disabled, every call is a no-op.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        device: torch.device | str,
+        report: Callable[[str], None],
+        every: int = 50,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.enabled, self.every, self.report, self.clock = enabled, every, report, clock
+        is_cuda = torch.device(device).type == "cuda"
+        self._sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+        self._totals: dict[str, float] = {}
+        self._steps = self._rows = 0
+        self._last = 0.0
+
+    @classmethod
+    def from_env(cls, device: torch.device | str, report: Callable[[str], None]) -> PhaseTimer:
+        """Enabled by ``SGLANG_TREE_SPEC_STEP_TIMES=N``: a report every N steps."""
+        every = int(os.environ.get(ENV_FLAG, "0") or 0)
+        return cls(every > 0, device, report, every=max(every, 1))
+
+    def start(self) -> None:
+        if self.enabled:
+            self._sync()
+            self._last = self.clock()
+
+    def mark(self, phase: str) -> None:
+        if self.enabled:
+            self._sync()
+            now = self.clock()
+            self._totals[phase] = self._totals.get(phase, 0.0) + now - self._last
+            self._last = now
+
+    def end_step(self, batch_size: int) -> None:
+        if not self.enabled:
+            return
+        self._steps += 1
+        self._rows += batch_size
+        if self._steps % self.every == 0:
+            self.report(self.summary())
+            self._totals, self._steps, self._rows = {}, 0, 0
+
+    def summary(self) -> str:
+        """One line: mean ms and share of the step per phase since the last report."""
+        step = sum(self._totals.values())
+        parts = [
+            f"{name} {1e3 * total / self._steps:.2f} ms ({100 * total / step:.0f}%)"
+            for name, total in self._totals.items()
+        ]
+        return (
+            f"step times over {self._steps} steps (mean batch {self._rows / self._steps:.1f}): "
+            f"{1e3 * step / self._steps:.2f} ms = " + ", ".join(parts)
+        )
