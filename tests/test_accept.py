@@ -316,3 +316,24 @@ def test_counter_uniforms_are_reproducible_uniform_and_batch_independent():
     other = counter_uniforms(torch.tensor([12346]), counters)[0]
     assert not torch.equal(other[:100], u[:100])
     assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01
+
+
+def test_target_probs_min_p_drops_tokens_below_a_fraction_of_the_best():
+    """min-p as SGLang's torch sampler applies it: after top-k / top-p, zero every token whose
+    probability is below min_p times the most probable one, then renormalise."""
+    logits = torch.tensor([[[2.0, 1.5, 0.0, -1.0, 1.9, -3.0]], [[0.0, 0.1, 0.2, 0.3, 0.4, 0.5]]])
+    min_p = torch.tensor([0.5, 0.9])
+    top_k = torch.tensor([0, 4])
+    probs = target_probs(logits, temperature=1.0, top_k=top_k, top_p=0.95, min_p=min_p)
+    for b in range(2):
+        base = torch.softmax(logits[b, 0], dim=-1)
+        ranked, order = base.sort(descending=True)
+        keep = (torch.arange(6) < (top_k[b] if top_k[b] > 0 else 6)) & (
+            ranked.cumsum(0) - ranked <= 0.95
+        )
+        keep &= ranked >= min_p[b] * ranked[0]
+        expected = torch.zeros(6).scatter(0, order, torch.where(keep, ranked, 0.0))
+        torch.testing.assert_close(probs[b, 0], expected / expected.sum())
+        assert int((probs[b, 0] > 0).sum()) < 6  # the cut removed something
+    plain = target_probs(logits, temperature=1.0, top_k=top_k, top_p=0.95)
+    assert not torch.allclose(plain, probs)

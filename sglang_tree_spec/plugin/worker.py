@@ -304,6 +304,7 @@ def _define_worker() -> type:
                 temperature=info.temperatures.view(-1),
                 top_k=info.top_ks.view(-1),
                 top_p=info.top_ps.view(-1),
+                min_p=info.min_ps.view(-1) if info.need_min_p_sampling else 0.0,
                 uniforms=self._coins(batch, prefix_lens),
             )
 

@@ -147,17 +147,19 @@ def target_probs(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
+    min_p: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
     """The target's sampling distribution, as SGLang's sampler defines it.
 
     ``softmax(logits / temperature)``; top-k keeps the ``top_k`` most probable tokens
     (``top_k <= 0`` or ``>= V``: all); top-p drops a token when the probability mass sorted
     strictly before it already exceeds ``top_p`` (computed before the top-k cut, as SGLang does);
-    then renormalise. ``temperature <= 0`` means greedy: a one-hot at the argmax.
+    min-p drops a token below ``min_p`` times the most probable one; then renormalise.
+    ``temperature <= 0`` means greedy: a one-hot at the argmax.
 
     Args:
         logits: ``[bs, N, V]`` (N slots per request) or ``[bs, V]``.
-        temperature, top_k, top_p: scalars or ``[bs]`` per-request values.
+        temperature, top_k, top_p, min_p: scalars or ``[bs]`` per-request values.
 
     Returns:
         float32 probabilities of the shape of ``logits``.
@@ -171,6 +173,7 @@ def target_probs(
     k = _per_row(top_k, bs, torch.long, device).view(bs, 1, 1)
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     p = _per_row(top_p, bs, torch.float32, device).view(bs, 1, 1)
+    floor = _per_row(min_p, bs, torch.float32, device).view(bs, 1, 1)
 
     greedy = temp <= 0
     scaled = logits.float() / torch.where(greedy, 1.0, temp)
@@ -178,7 +181,7 @@ def target_probs(
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     rank = torch.arange(vocab, device=device).view(1, 1, vocab)
-    keep = (rank < k) & (mass_before <= p)
+    keep = (rank < k) & (mass_before <= p) & (sorted_probs >= floor * sorted_probs[..., :1])
     sorted_probs = torch.where(keep, sorted_probs, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, sorted_ids, sorted_probs)
     filtered = filtered / filtered.sum(dim=-1, keepdim=True)
@@ -231,6 +234,7 @@ def sample_accept(
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
     *,
+    min_p: torch.Tensor | float = 0.0,
     uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> SampledAcceptResult:
@@ -239,8 +243,8 @@ def sample_accept(
     Args:
         tree: ``[bs, B]`` draft trees (deterministic drafts, distinct sibling tokens).
         target_logits: ``[bs, B + 1, V]`` target logits at every window slot.
-        temperature, top_k, top_p: scalars or ``[bs]``; see :func:`target_probs`. A request
-            with ``temperature <= 0`` is accepted greedily (its distribution is one-hot).
+        temperature, top_k, top_p, min_p: scalars or ``[bs]``; see :func:`target_probs`. A
+            request with ``temperature <= 0`` is accepted greedily (its distribution is one-hot).
         uniforms: optional ``[bs, B + 1]`` coins in [0, 1): one per node, the last one for the
             bonus draw. Drawn from ``generator`` when omitted.
 
@@ -259,7 +263,7 @@ def sample_accept(
     elif uniforms.shape != (bs, budget + 1):
         raise ValueError(f"uniforms must be [bs, budget + 1], got {tuple(uniforms.shape)}")
     vocab = target_logits.shape[2]
-    probs = target_probs(target_logits, temperature, top_k, top_p)  # [bs, D, V]
+    probs = target_probs(target_logits, temperature, top_k, top_p, min_p)  # [bs, D, V]
     parents = tree.parent_slots()
 
     # p(token of node i) under its parent's distribution, and the mass of its earlier siblings.
