@@ -176,6 +176,9 @@ def verify_attention(
 ) -> None:
     """Attention of every request's ``W`` verify tokens over its prefix and window.
 
+    One batched SDPA call: every request's KV is gathered to the longest ``prefix + W`` and the
+    columns past a request's own length are masked out.
+
     Args:
         query: ``[bs * W, H, D]``; out: ``[bs * W, H, Dv]``, written in place.
         k_cache, v_cache: ``[slots, H_kv, D]`` KV pools; the window's KV is already written
@@ -186,21 +189,33 @@ def verify_attention(
     """
     bs = prefix_lens.shape[0]
     window = query.shape[0] // bs
-    offset = 0
-    for b, prefix in enumerate(prefix_lens.tolist()):
-        kv_len = prefix + window
-        slots = req_to_token[req_pool_indices[b], :kv_len].to(torch.long)
-        allowed = None
-        if flat_mask is not None:
-            allowed = flat_mask[offset : offset + window * kv_len].view(window, kv_len)
-            offset += window * kv_len
-        elif causal:
-            allowed = torch.ones(window, kv_len, dtype=torch.bool, device=query.device).tril(prefix)
-        rows = slice(b * window, (b + 1) * window)
-        q_b = query[rows].transpose(0, 1)  # [H, W, D]
-        k_b = k_cache[slots].transpose(0, 1).to(q_b.dtype)  # [H_kv, kv_len, D]
-        v_b = v_cache[slots].transpose(0, 1).to(q_b.dtype)
-        o_b = torch.nn.functional.scaled_dot_product_attention(
-            q_b, k_b, v_b, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa
-        )
-        out[rows] = o_b.transpose(0, 1)
+    device = query.device
+    kv_lens = prefix_lens.to(torch.long) + window  # [bs]
+    max_kv = int(kv_lens.max())
+    columns = torch.arange(max_kv, device=device)  # [K]
+    rows = torch.arange(window, device=device)  # [W]
+    in_range = columns[None, :] < kv_lens[:, None]  # [bs, K]
+    table_columns = columns.clamp_max(req_to_token.shape[1] - 1)
+    slots = req_to_token[req_pool_indices.to(torch.long)[:, None], table_columns[None, :]]
+    slots = torch.where(in_range, slots.to(torch.long), 0)  # [bs, K], padding -> slot 0
+
+    if flat_mask is not None:
+        # Request b's block: W rows of kv_len[b] columns from indptr[b] (see layout.py).
+        indptr = torch.cumsum(window * kv_lens, 0) - window * kv_lens  # [bs]
+        flat = indptr[:, None, None] + rows[None, :, None] * kv_lens[:, None, None]
+        flat = flat + columns[None, None, :]  # [bs, W, K]
+        allowed = flat_mask[torch.where(in_range[:, None, :], flat, 0)]
+    elif causal:  # window row i sees every column up to prefix + i
+        allowed = columns[None, None, :] <= (kv_lens - window)[:, None, None] + rows[None, :, None]
+    else:
+        allowed = torch.ones(bs, window, max_kv, dtype=torch.bool, device=device)
+    allowed = allowed & in_range[:, None, :]  # [bs, W, K]
+
+    heads, dim = query.shape[1], query.shape[2]
+    q = query.view(bs, window, heads, dim).transpose(1, 2)  # [bs, H, W, D]
+    k = k_cache[slots].transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
+    v = v_cache[slots].transpose(1, 2).to(q.dtype)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=enable_gqa
+    )  # [bs, H, W, Dv]
+    out.copy_(o.transpose(1, 2).reshape(out.shape))
