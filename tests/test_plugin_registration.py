@@ -54,17 +54,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ddtree-models")
     target = qwen3_config()
     target.save_pretrained(root / "target")
+    DFlashDrafter.random_init(
+        target, num_layers=1, block_size=BLOCK_SIZE, target_layer_ids=[0]
+    ).save_pretrained(root / "drafter")
     DFlashDrafter.random_init(target, num_layers=1, block_size=BLOCK_SIZE).save_pretrained(
-        root / "drafter"
-    )
+        root / "last-layer-drafter"
+    )  # reads layer 1 of 2
     other = qwen3_config(hidden=32)
-    DFlashDrafter.random_init(other, num_layers=1, block_size=BLOCK_SIZE).save_pretrained(
-        root / "other-drafter"
-    )
+    DFlashDrafter.random_init(
+        other, num_layers=1, block_size=BLOCK_SIZE, target_layer_ids=[0]
+    ).save_pretrained(root / "other-drafter")
     return {
         "target": str(root / "target"),
         "drafter": str(root / "drafter"),
         "other_drafter": str(root / "other-drafter"),
+        "last_layer_drafter": str(root / "last-layer-drafter"),
         "missing": str(root / "missing"),
     }
 
@@ -246,6 +250,11 @@ BAD_CONFIGS = [
     ),
     ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
     ("tp-2", {"tp_size": 2}, r"--tp-size 2 is not supported yet \(use --tp-size 1\)"),
+    (
+        "last-layer",
+        {"draft": "last_layer_drafter"},
+        r"the drafter reads the target's last layer \(1\); SGLang captures hidden states before",
+    ),
     (
         "block-size",
         {"speculative_dflash_block_size": 8},

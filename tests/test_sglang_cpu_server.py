@@ -246,3 +246,45 @@ def test_cpu_server_ran_the_plugin_in_every_process(cpu_server):
     assert info["device"] == "cpu"
     assert info["speculative_algorithm"] is None
     assert info["speculative_ddtree_topk"] is None
+
+
+def test_ddtree_on_a_qwen3_target_equals_transformers(tiny_model, tmp_path):
+    """A second architecture (Qwen3: q/k norms, GQA) under DDTREE, with a random DFlash drafter
+    of block 4 and a tree budget of 8: greedy output equals transformers' token for token."""
+    from sglang_tree_spec.drafters.dflash import DFlashDrafter
+
+    path, model = tiny_model
+    drafter = tmp_path / "drafter"
+    torch.manual_seed(1)
+    DFlashDrafter.random_init(
+        model.config, num_layers=1, block_size=4, target_layer_ids=[0]
+    ).save_pretrained(drafter)
+    command = [
+        *cpu_server_command(path, free_port()),
+        "--speculative-algorithm", "DDTREE",
+        "--speculative-draft-model-path", str(drafter),
+        "--speculative-num-draft-tokens", "9",
+    ]  # fmt: skip
+    log = tmp_path / "server.log"
+    process = launch(command, log, plugins="ddtree")
+    try:
+        base_url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        wait_until_healthy(base_url, process, log)
+        reply = http_json(
+            f"{base_url}/generate",
+            {
+                "input_ids": PROMPTS,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": MAX_NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+            },
+            timeout=300,
+        )
+    finally:
+        stop(process)
+    for prompt, item in zip(PROMPTS, reply, strict=True):
+        expected, _ = greedy_reference(model, prompt, MAX_NEW_TOKENS)
+        assert item["output_ids"] == expected, prompt
+        assert item["meta_info"]["spec_verify_ct"] >= 1  # DDTREE decoded it

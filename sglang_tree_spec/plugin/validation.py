@@ -134,6 +134,12 @@ def check_drafter_matches_target(drafter: DFlashDrafter, target_config: Pretrain
         drafter.check_compatible(target_config)
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
+    last = int(getattr(target_config, "text_config", target_config).num_hidden_layers) - 1
+    if last in drafter.target_layer_ids:
+        raise DDTreeConfigError(
+            f"the drafter reads the target's last layer ({last}); SGLang captures hidden states "
+            "before a layer, so the last layer's output cannot reach the drafter"
+        )
 
 
 def check_block_size(drafter: DFlashDrafter, requested: int | None) -> None:
