@@ -140,6 +140,14 @@ def cpu_server_command(model_path: Path, port: int) -> list[str]:
     ]
 
 
+def greedy_generate(base_url: str, prompts: list[list[int]]) -> list[dict]:
+    """One batched greedy ``/generate`` call of ``MAX_NEW_TOKENS`` per prompt, EOS ignored."""
+    params = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+    return http_json(
+        f"{base_url}/generate", {"input_ids": prompts, "sampling_params": params}, timeout=300
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixtures and tests
 # ---------------------------------------------------------------------------------------------
@@ -201,17 +209,7 @@ def test_cpu_server_fails_without_the_plugin(tiny_model, tmp_path):
 def test_cpu_server_greedy_generate_equals_transformers(tiny_model, cpu_server):
     _, model = tiny_model
     base_url, _, _ = cpu_server
-    reply = http_json(
-        f"{base_url}/generate",
-        {
-            "input_ids": PROMPTS,
-            "sampling_params": {
-                "temperature": 0.0,
-                "max_new_tokens": MAX_NEW_TOKENS,
-                "ignore_eos": True,
-            },
-        },
-    )
+    reply = greedy_generate(base_url, PROMPTS)
     assert isinstance(reply, list) and len(reply) == len(PROMPTS)
     for prompt, item in zip(PROMPTS, reply, strict=True):
         expected, _ = greedy_reference(model, prompt, MAX_NEW_TOKENS)
@@ -270,18 +268,7 @@ def test_ddtree_on_a_qwen3_target_equals_transformers(tiny_model, tmp_path):
     try:
         base_url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
         wait_until_healthy(base_url, process, log)
-        reply = http_json(
-            f"{base_url}/generate",
-            {
-                "input_ids": PROMPTS,
-                "sampling_params": {
-                    "temperature": 0.0,
-                    "max_new_tokens": MAX_NEW_TOKENS,
-                    "ignore_eos": True,
-                },
-            },
-            timeout=300,
-        )
+        reply = greedy_generate(base_url, PROMPTS)
     finally:
         stop(process)
     for prompt, item in zip(PROMPTS, reply, strict=True):
