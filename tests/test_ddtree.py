@@ -105,6 +105,24 @@ def test_both_beam_loops_agree_with_heap(beam_mode):
             assert torch.equal(getattr(fast, field), getattr(heap, field)), field
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_tied_scores_keep_the_optimal_multiset(beam_mode, k):
+    """Log-probs on a coarse grid tie often: every budget still gets a well-formed tree whose
+    (score, depth) multiset is the heap's, i.e. the candidate pruning never loses a node that
+    only a tie separates from the answer."""
+    for seed in range(4):
+        lp, tok = random_marginals(3, 6, k, vocab=12, seed=seed, sharpness=1.0)
+        lp = (lp * 2).round() / 2  # steps of 0.5 nats: many exact ties, still sorted
+        for budget in (1, 2, 3, 4, 5, 7, 9, 16, 33):
+            tree = build_ddtree(lp, tok, budget)
+            heap = build_ddtree_reference(lp, tok, budget)
+            assert_well_formed(tree, lp, tok)
+            for b in range(3):
+                got = sorted(zip(tree.logprobs[b].tolist(), tree.depths[b].tolist(), strict=True))
+                want = sorted(zip(heap.logprobs[b].tolist(), heap.depths[b].tolist(), strict=True))
+                assert got == want, (seed, budget, b)
+
+
 def test_well_formed_at_realistic_size():
     lp, tok = random_marginals(2, 15, 32, vocab=100, seed=5)
     tree = build_ddtree(lp, tok, 256)

@@ -13,12 +13,14 @@ Two builders with the same contract:
 * :func:`build_ddtree_reference` -- the paper's best-first heap (Algorithm 1), one request at a
   time on the host; the oracle for tests and the baseline for ``benchmarks/tree_build.py``.
 
-Per-depth beam, exact: beam_1 = top-B of depth 1; beam_d = top-B of (beam_{d-1} x top-K at d).
-A depth-d prefix whose parent is outside beam_{d-1} is beaten by the B rank-1 extensions of the
-beam, so it can never be among the B best. The answer is the B best of the union of the beams,
-ranked by (score descending, depth ascending). A child never scores above its parent and is
-deeper, so the answer is prefix closed, and its first N nodes by that rank are the optimal
-N-tree for every N <= B (nesting; the budget controller relies on it).
+Per-depth beam, exact: beam_1 = the top-B of depth 1; beam_d = the best of the pairs (parent in
+beam_{d-1}, token rank at d) that can still be among the B best (see :func:`_candidate_pairs`:
+only the best B // 2 parents and ~B ln K pairs qualify). A depth-d prefix outside those pairs is
+beaten by at least B shallower or better prefixes, so it can never be in the answer. The answer
+is the B best of the union of the beams, ranked by (score descending, depth ascending). A child
+never scores above its parent and is deeper, so the answer is prefix closed, and its first N
+nodes by that rank are the optimal N-tree for every N <= B (nesting; the budget controller
+relies on it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +36,12 @@ import torch
 # Log-probabilities below this are floored for ranking, so that a zero-probability lattice node
 # (log q = -inf) still orders before the padding of a lattice smaller than the budget (-inf).
 LOGPROB_FLOOR = -1.0e30
+
+# Breadth-first sort keys pack (depth, score bits, flat index) into one int64.
+_INDEX_BITS = 25  # flat beam index: budget * depth < 2**25
+_DEPTH_SHIFT = 56  # 0-based depth in bits 56-62; _MAX_DEPTHS marks padding
+_MAX_DEPTHS = 127
+_LOW_32 = (1 << 32) - 1  # the flat index bits of a selection key
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,12 @@ def _check_topk_inputs(
         or topk_tokens.dtype is torch.bool
     ):
         raise ValueError(f"topk_tokens must be an integer tensor, got {topk_tokens.dtype}")
-    k = topk_logprobs.shape[2]
+    depth_count, k = topk_logprobs.shape[1:]
+    if depth_count >= _MAX_DEPTHS or budget * depth_count >= 1 << _INDEX_BITS:
+        raise ValueError(
+            f"a {depth_count}-deep lattice with budget {budget} is too large: need depth < "
+            f"{_MAX_DEPTHS} and budget * depth < {1 << _INDEX_BITS}"
+        )
     if vocab_size is not None and k > vocab_size:
         raise ValueError(f"K = {k} top tokens per position exceeds the vocabulary ({vocab_size})")
     if not check_values:
@@ -158,58 +172,141 @@ def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 def _candidate_pairs(
     budget: int, k: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(beam parent, token rank) pairs that can reach the top ``budget`` of the next depth.
+    """(parent, token rank) pairs that can reach the answer at any depth d >= 2.
 
-    Beam entries and ranks are both sorted descending, so pair (p, r) (0-based) is beaten or
-    tied by the (p + 1)(r + 1) - 1 pairs (p' <= p, r' <= r); it matters only if
-    (p + 1)(r + 1) <= budget. That keeps M ~ B ln(min(B, k)) of the B*k pairs, a static set.
+    Parents are the previous depth's beam sorted descending and ranks are sorted descending,
+    so a depth-d child from parent p with rank r (0-based) is beaten or tied by the
+    (p + 1)(r + 1) depth-d pairs (p' <= p, r' <= r), and strictly beaten by their p + 1 parents
+    and the d - 2 ancestors above the best parent. It can be among the B best only if
+    (p + 1)(r + 1) + (p + 1) + (d - 2) <= B, so (p + 1)(r + 2) <= B at every depth: only the
+    best B // 2 parents ever matter, and M ~ B (ln(k + 1) - 1/2) of the pairs do.
 
     Returns:
-        ``(parent_index, rank)``, both int64 ``[M]`` on ``device``.
+        ``(parent_index, rank)``, both int64 ``[M]`` on ``device``; every parent index is
+        below ``B // 2``. Empty when ``budget < 2`` (no node deeper than 1 fits).
     """
-    pairs = [(p, r) for r in range(k) for p in range(budget // (r + 1))]
-    table = torch.tensor(pairs, dtype=torch.long).T.contiguous()
+    pairs = [(p, r) for r in range(k) for p in range(budget // (r + 2))]
+    table = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).T.contiguous()
     return table[0].to(device), table[1].to(device)
 
 
-def _depth_beams(
-    lp: torch.Tensor, budget: int, stop_early: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The B best prefixes of every depth, each beam sorted descending.
+class _Beams(NamedTuple):
+    """Per-depth beams, concatenated depth-major into one flat index ``f`` per request.
+
+    Block 0 (depth 1) holds ``B`` entries sorted descending; the block of each depth d >= 2
+    holds the best ``width = min(B - 1, M)`` of that depth's candidate pairs in no particular
+    order (a node of depth >= 2 needs an ancestor, so at most B - 1 of them fit). ``L'``
+    blocks, ``L' <= L``; ``N = B + (L' - 1) * width`` entries.
+
+    Attributes:
+        scores: ``[bs, N]`` path log-probs; -inf where a depth has fewer prefixes than its
+            block.
+        pair_index: ``[bs, N]`` index into :func:`_pair_table`: ``M + j`` for depth-1 entry j,
+            else the entry's (parent, rank) pair.
+        parent_slots: ``[bs, L' * half]``: for block e, the block positions of its ``half``
+            best entries in descending order (the next depth's parents).
+        block_starts: ``[L']`` int64 flat index of each block's first entry.
+        flat_depths: ``[N]`` int64 0-based depth of each flat entry.
+        half: parents per depth, ``max(B // 2, 1)``.
+    """
+
+    scores: torch.Tensor
+    pair_index: torch.Tensor
+    parent_slots: torch.Tensor
+    block_starts: torch.Tensor
+    flat_depths: torch.Tensor
+    half: int
+
+
+def _first_block(
+    lp: torch.Tensor, budget: int, pair_count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Depth 1: scores ``[bs, B]`` (lp padded with -inf), pair indices, parent slots."""
+    bs, _, k = lp.shape
+    half = max(budget // 2, 1)
+    first = lp.new_full((bs, budget), float("-inf"))
+    first[:, :k] = lp[:, 0, :]
+    pairs = torch.arange(budget, device=lp.device).add_(pair_count).expand(bs, budget)
+    slots = torch.arange(half, device=lp.device).expand(bs, half)
+    return first, pairs, slots
+
+
+class _HostStop:
+    """The early-stop test of :func:`_depth_beams`, on numpy views of host tensors.
+
+    ``floor[b]`` is a score that at least B prefixes computed so far reach (the worst entry of
+    a full beam). Once every row's best next-depth score is at most its floor, no deeper
+    prefix can enter the answer: those B shallower prefixes win, ties included. Same float32
+    arithmetic as the torch loop, without a torch dispatch per test.
+    """
+
+    def __init__(self, lp: torch.Tensor, first: torch.Tensor) -> None:
+        self.best_token = lp[:, :, 0].numpy()  # [bs, L] rank-0 log-prob of every depth
+        self.floor = first[:, -1].numpy().copy()  # [bs] the B-th entry of the depth-1 beam
+
+    def hopeless(self, parents: torch.Tensor, depth: int) -> bool:
+        """Whether no prefix at 0-based ``depth`` under ``parents`` ``[bs, half]`` can enter."""
+        best_next = parents.numpy()[:, 0] + self.best_token[:, depth]
+        return bool((best_next <= self.floor).all())
+
+    def raise_floor(self, beam: torch.Tensor) -> None:
+        """Account for a full beam ``[bs, B - 1]`` of depth >= 2 (B prefixes with an ancestor)."""
+        np.maximum(self.floor, beam.numpy().min(axis=1), out=self.floor)
+
+
+def _depth_beams(lp: torch.Tensor, budget: int, stop_early: bool) -> _Beams:
+    """The best prefixes of every depth that can still reach the answer.
+
+    Every block of depth >= 2 is ``width = min(B - 1, M)`` wide.
 
     Args:
         lp: ``[bs, L, k]`` finite log-probs sorted descending, ``k <= budget``.
-        stop_early: skip the remaining depths once no deeper prefix can enter the answer: in
-            every row the best next-depth score is at most the last entry of some full beam
-            (whose B shallower entries then win, ties included). Reading that condition is a host
-            synchronisation, so only host tensors use it; without it the loop has fixed
-            shapes and never synchronises.
-
-    Returns:
-        ``scores`` ``[bs, L'*B]``: depth-major beam scores of the L' <= L computed depths
-        (L' = L unless stopped early), -inf where a depth has fewer than B prefixes;
-        ``pair_index`` ``[bs, L'*B]``: for every beam entry, its index into the extended pair
-        table of :func:`_pair_table` (depth 1: ``M + beam position``; deeper: the index of its
-        (parent beam position, token rank) pair).
+        stop_early: skip the remaining depths once no deeper prefix can enter the answer
+            (:class:`_HostStop`). Reading that condition is a host synchronisation, so only
+            host tensors use it; without it the loop has fixed shapes and never synchronises.
     """
-    bs, depth_count, k = lp.shape
-    first = lp.new_full((bs, budget), float("-inf"))
-    first[:, :k] = lp[:, 0, :]
+    _, depth_count, k = lp.shape
     pair_parent, pair_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
-    first_pairs = torch.arange(budget, device=lp.device).add_(pair_rank.numel())
-    scores, pair_index = [first], [first_pairs.expand(bs, budget)]
-    beam = first
-    floor = first[:, -1]  # [bs] a B-th best score so far: the worst entry of a full beam
-    for d in range(1, depth_count):
-        if stop_early and bool((beam[:, 0] + lp[:, d, 0] <= floor).all()):
+    width = min(budget - 1, pair_rank.numel())
+    half = max(budget // 2, 1)
+    first, first_pairs, first_slots = _first_block(lp, budget, pair_rank.numel())
+    scores, pair_index, parent_slots = [first], [first_pairs], [first_slots]
+    parents = first[:, :half]  # [bs, half] the next depth's parents, descending
+    lp_by_depth = lp.transpose(0, 1).contiguous()  # [L, bs, k]
+    stop = _HostStop(lp, first) if stop_early else None
+    for d in range(1, depth_count if width > 0 else 1):
+        if stop is not None and stop.hopeless(parents, d):
             break
-        candidates = beam.index_select(1, pair_parent)  # [bs, M] parent scores
-        candidates.add_(lp[:, d].index_select(1, pair_rank))  # + token log-probs
-        beam, index = torch.topk(candidates, budget, dim=1, sorted=True)  # [bs, B]
+        candidates = parents.index_select(1, pair_parent)  # [bs, M] parent scores
+        candidates.add_(lp_by_depth[d].index_select(1, pair_rank))  # + token log-probs
+        beam, index = torch.topk(candidates, width, dim=1, sorted=False)  # [bs, width]
         scores.append(beam)  # extensions of -inf padding stay -inf
         pair_index.append(index)
-        floor = torch.maximum(floor, beam[:, -1])
-    return torch.cat(scores, dim=1), torch.cat(pair_index, dim=1)
+        if stop is not None and width == budget - 1:
+            stop.raise_floor(beam)  # B - 1 entries plus an ancestor: B prefixes >= the worst
+        # Sorting only the half that can be parents is much cheaper than a sorted top-width.
+        parents, slots = torch.topk(beam, half, dim=1, sorted=True)
+        parent_slots.append(slots)
+    block_starts, flat_depths = _fixed_layout(budget, width, len(scores), lp.device)
+    return _Beams(
+        torch.cat(scores, dim=1),
+        torch.cat(pair_index, dim=1),
+        torch.cat(parent_slots, dim=1),
+        block_starts,
+        flat_depths,
+        half,
+    )
+
+
+@functools.cache
+def _fixed_layout(
+    budget: int, width: int, blocks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_starts`` ``[blocks]`` and ``flat_depths`` ``[N]`` (int64) of the beam blocks."""
+    widths = [budget] + [width] * (blocks - 1)
+    block_starts = [sum(widths[:e]) for e in range(blocks)]
+    flat_depths = [e for e, w in enumerate(widths) for _ in range(w)]
+    return torch.tensor(block_starts, device=device), torch.tensor(flat_depths, device=device)
 
 
 @functools.cache
@@ -229,27 +326,38 @@ def _pair_table(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor
     )
 
 
-def _select_best_first(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """Indices of the ``budget`` best entries in breadth-first order.
+def _negated_bits(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys that grow as ``scores`` (all ``<= 0``) fall: the bits of ``0.0 - score``.
 
-    Args:
-        scores: ``[bs, N]`` depth-major beam scores, all ``<= 0`` (-inf = padding).
-
-    Returns:
-        ``[bs, budget]`` indices into ``scores``: the best by (score desc, index asc) -- the
-        index breaks ties toward shallower nodes -- re-ordered by index (depth ascending, then
-        beam order), with any padding after every real entry.
+    ``0.0 - score`` is ``>= +0.0`` (never -0.0, so equal scores tie) and the int32 bits of a
+    non-negative float grow with its value; they fit in 31 bits.
     """
-    n = scores.shape[1]
-    # Unique int64 keys, smallest first in (score desc, index asc) order: 0.0 - score is >= +0.0
-    # (never -0.0, so equal scores tie) and the int32 bits of a non-negative float grow with its
-    # value; the index fills the low 32 bits.
-    negated_bits = (0.0 - scores).view(torch.int32).to(torch.int64)
-    keys = (negated_bits << 32) | torch.arange(n, device=scores.device)
-    best = torch.topk(keys, budget, dim=1, largest=False, sorted=False).indices  # [bs, budget]
-    is_real = scores.gather(1, best) > float("-inf")
-    bfs_key = torch.where(is_real, best, best + n)
-    return bfs_key.sort(dim=1).values % n
+    return (0.0 - scores).view(torch.int32).to(torch.int64)
+
+
+def _best_of(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """``[bs, budget]`` flat indices of the best entries of ``scores`` ``[bs, N]``, any order.
+
+    Best by (score desc, flat index asc): the index grows with depth, so ties go to shallower
+    nodes. Keys are unique int64s, the score bits above the index's low 32 bits.
+    """
+    index = torch.arange(scores.shape[1], device=scores.device)
+    keys = (_negated_bits(scores) << 32) | index
+    return torch.topk(keys, budget, dim=1, largest=False, sorted=False).values & _LOW_32
+
+
+def _breadth_first(
+    best: torch.Tensor, scores: torch.Tensor, flat_depths: torch.Tensor
+) -> torch.Tensor:
+    """``best`` ``[bs, B]`` flat indices re-ordered by (depth, score desc, index), padding last."""
+    bfs_keys = (
+        (flat_depths.take(best) << _DEPTH_SHIFT)
+        | (_negated_bits(scores.gather(1, best)) << _INDEX_BITS)
+        | best
+    )
+    is_padding = scores.gather(1, best) == float("-inf")
+    bfs_keys = torch.where(is_padding, best | (_MAX_DEPTHS << _DEPTH_SHIFT), bfs_keys)
+    return bfs_keys.sort(dim=1).values & ((1 << _INDEX_BITS) - 1)
 
 
 def build_ddtree(
@@ -271,8 +379,9 @@ def build_ddtree(
             inputs on the host; the decode hot path passes ``False``.
 
     Returns:
-        A :class:`DraftTree` with ``[bs, budget]`` tensors. Exact within the lattice: with
-        K = min(B, V) it is the optimal tree over the whole vocabulary.
+        A :class:`DraftTree` with ``[bs, budget]`` tensors; within a depth, nodes by score
+        descending. Exact within the lattice: with K = min(B, V) it is the optimal tree over
+        the whole vocabulary.
     """
     _check_topk_inputs(topk_logprobs, topk_tokens, budget, vocab_size, validate)
     bs, depth_count, k_all = topk_logprobs.shape
@@ -282,24 +391,26 @@ def build_ddtree(
     lp = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR)  # [bs, L, k] finite
 
     stop_early = lp.device.type == "cpu"  # host tensors: reading a flag costs nothing
-    beam_scores, pair_index = _depth_beams(lp, budget, stop_early)  # both [bs, L'*B]
-    chosen = _select_best_first(beam_scores, budget)  # [bs, B] flat beam indices, BFS order
-    depth0 = chosen // budget  # 0-based depth
-    depth_start = depth0 * budget  # flat index of the chosen entry's beam start
+    beams = _depth_beams(lp, budget, stop_early)
+    best = _best_of(beams.scores, budget)  # [bs, B] flat indices, any order
+    chosen = _breadth_first(best, beams.scores, beams.flat_depths)  # [bs, B] flat, BFS order
+    depth0 = beams.flat_depths.take(chosen)  # [bs, B] 0-based depth
 
-    # Decode each chosen beam entry: its token rank and its parent's beam position.
-    parent_position, rank = _pair_table(budget, k, device)
-    pair = pair_index.gather(1, chosen)
+    # Decode each chosen entry: its token rank, and its parent's sorted slot one depth up.
+    parent_rank, rank = _pair_table(budget, k, device)
+    pair = beams.pair_index.gather(1, chosen)
     ranks = rank.take(pair)
     tokens = topk_tokens[..., :k].to(torch.long).flatten(1).gather(1, depth0 * k + ranks)
-    logprobs = beam_scores.gather(1, chosen)
+    logprobs = beams.scores.gather(1, chosen)
     valid = logprobs > float("-inf")
 
-    # Parent: the chosen beam entry one depth up, mapped from flat beam index to node index.
-    # Column block 0 of ``node_of_flat`` stands for "depth 0": the root, node -1.
-    node_of_flat = torch.full((bs, budget + beam_scores.shape[1]), -1, device=device)
-    node_of_flat.scatter_(1, chosen + budget, torch.arange(budget, device=device).expand(bs, -1))
-    parents = node_of_flat.gather(1, depth_start + parent_position.take(pair))
+    # Parent: block e = depth0 - 1 holds it at position parent_slots[e * half + parent rank].
+    parent_block = (depth0 - 1).clamp_min(0)
+    slot = beams.parent_slots.gather(1, parent_block * beams.half + parent_rank.take(pair))
+    node_of_flat = torch.full_like(beams.pair_index, -1)
+    node_of_flat.scatter_(1, chosen, torch.arange(budget, device=device).expand(bs, -1))
+    parents = node_of_flat.gather(1, beams.block_starts.take(parent_block) + slot)
+    parents = torch.where(depth0 == 0, -1, parents)
 
     return DraftTree(
         tokens=torch.where(valid, tokens, 0),
