@@ -21,6 +21,7 @@ from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.graft import (
     UNKNOWN,
     EdgeAcceptance,
+    Grafter,
     StageConfig,
     SuccessorTable,
     calibrate_stage,
@@ -465,6 +466,37 @@ def test_unified_merges_a_retrieved_token_with_its_draft_twin():
     assert out.logprobs[0].tolist() == pytest.approx([math.log(0.5), LOGPROB_FLOOR])
     out = graft_unified(tree, lp, tok, roots, table, fixed_edges(2, {0: 0.1, 1: 0.7, 2: 0.15}))
     assert out.tokens[0].tolist() == [a, b]  # c: 0.1 < b: 0.15
+
+
+def test_grafter_learns_from_verify_logits_and_grafts_what_it_learnt():
+    """A step of learning writes the verified nodes' top-k rows (padding slots write nothing)
+    and counts the tried edges; the next tree then fills the slot the drafter's lattice left
+    empty with the target's successor of the root, which the drafter never proposed."""
+    root, drafted, learnt = 1, 4, 7
+    lp = torch.tensor([[[math.log(0.6), math.log(0.3)]]])
+    tok = torch.tensor([[[drafted, 5]]])
+    grafter = Grafter("unified", vocab_size=10, k=2)
+    tree = build_ddtree(lp, tok, 3)  # a 2-prefix lattice: the third slot is padding
+    grafted = grafter.graft(tree, lp, tok, torch.tensor([root]))  # empty table: the DDTree
+    for field in FIELDS:
+        assert torch.equal(getattr(grafted, field), getattr(tree, field)), field
+    window = torch.tensor([[root, drafted, 5, 0]])  # [bs, W]: the root, then the slots
+    logits = torch.zeros(1, 4, 10)
+    logits[0, 0, learnt], logits[0, 0, 2] = 5.0, 4.0  # after the root: learnt, then 2
+    logits[0, 1, 3] = 5.0
+    logits[0, 3, 9] = 5.0  # the padding slot's logits must not reach row 0
+    committed = torch.tensor([[learnt]])  # no draft accepted, the bonus is `learnt`
+    grafter.learn(grafted, window, logits, committed)
+    assert grafter.successors.table[root].tolist() == [learnt, 2]
+    assert grafter.successors.table[drafted, 0].item() == 3
+    assert (grafter.successors.table[0] == UNKNOWN).all()
+    assert grafter.edge_acceptance.trials.sum() > EdgeAcceptance(2).trials.sum()
+    with pytest.raises(RuntimeError, match="needs the tree of the last"):
+        grafter.learn(grafted, window, logits, committed)  # evidence is used once
+    again = grafter.graft(tree, lp, tok, torch.tensor([root]))
+    assert again.valid.all() and learnt in again.tokens[0].tolist()
+    with pytest.raises(ValueError, match="graft method must be one of"):
+        Grafter("retrieval", vocab_size=10)
 
 
 def test_unified_retrieves_below_draft_nodes_by_depth():

@@ -209,6 +209,7 @@ def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
     parser = argparse.ArgumentParser()
     sa.ServerArgs.add_cli_args(parser)
     assert "--speculative-ddtree-topk" in parser.format_help()
+    assert "--speculative-ddtree-graft" in parser.format_help()
     argv = [
         "--model-path", models["target"],
         "--device", "cpu",
@@ -220,6 +221,13 @@ def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
     args = sa.ServerArgs.from_cli_args(parser.parse_args(argv))
     assert args.speculative_algorithm == "DDTREE"
     assert args.speculative_ddtree_topk == 8
+    assert args.speculative_ddtree_graft == "none"
+    grafted = sa.ServerArgs.from_cli_args(
+        parser.parse_args([*argv, "--speculative-ddtree-graft", "unified"])
+    )
+    assert grafted.speculative_ddtree_graft == "unified"
+    with pytest.raises(SystemExit):  # argparse refuses a method the worker does not serve
+        parser.parse_args([*argv, "--speculative-ddtree-graft", "stage"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +244,11 @@ BAD_CONFIGS = [
     ),
     ("budget-1025", {"speculative_num_draft_tokens": 1026}, r"tree budget 1025 .* out of range"),
     ("topk-0", {"speculative_ddtree_topk": 0}, r"--speculative-ddtree-topk must be >= 1, got 0"),
+    (
+        "graft-unknown",
+        {"speculative_ddtree_graft": "retrieval"},
+        r"--speculative-ddtree-graft must be one of none, unified, got 'retrieval'",
+    ),
     ("not-dflash", {"draft": "target"}, r"is not a DFlash drafter \(architectures="),
     (
         "incompatible-drafter",

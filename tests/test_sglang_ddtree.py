@@ -4,9 +4,9 @@ The unmodified ``python -m sglang.launch_server`` (and ``sglang.Engine``) with
 ``--speculative-algorithm DDTREE`` and the project's small DFlash pair (committed weights,
 served in float32): greedy output equals the no-speculation server token for token on 24
 held-out prompts, one request at a time and 8 at once, at tree budgets 8 and 32. Also:
-``/v1/chat/completions``, seeded sampling, the accept length in the metadata and the log, and
-a stream aborted mid-way. The CPU pieces (tree-verify attention, KV moves, slot writes) come
-from this package's hooks; nothing else is patched.
+``/v1/chat/completions``, seeded sampling, the accept length in the metadata and the log, a
+stream aborted mid-way, and the same equality with grafting on. The CPU pieces (tree-verify
+attention, KV moves, slot writes) come from this package's hooks; nothing else is patched.
 """
 
 from __future__ import annotations
@@ -206,6 +206,22 @@ def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseli
     assert any(chunk.startswith(b"data:") for chunk in chunks)
     http_json(f"{ddtree_server.base_url}/health", timeout=30)
     assert ddtree_server.greedy(prompts[:4], 4) == baseline["sequential"][:4]
+
+
+def test_grafted_ddtree_greedy_equals_no_speculation(pair, prompts, baseline, tmp_path_factory):
+    """``--speculative-ddtree-graft unified``: a successor table shared by all requests,
+    refreshed from every verify step, rewrites each tree; greedy output stays the target's,
+    8 requests at once, and sampled requests complete. (A sampling seed does not pin the
+    output here: the coins are per tree slot and the tree depends on the shared table.)"""
+    log = tmp_path_factory.mktemp("graft") / "server.log"
+    command = [*server_command(pair, free_port(), 16), "--speculative-ddtree-graft", "unified"]
+    for server in running_server(command, log):
+        assert server.greedy(prompts, 8) == baseline["sequential"]
+        sampling = {"temperature": 0.7, "top_p": 0.9, "sampling_seed": 7}
+        sampled = server.generate(prompts[3], **sampling)
+        assert len(sampled["output_ids"]) == NEW_TOKENS
+        assert sampled["meta_info"]["spec_verify_ct"] < NEW_TOKENS
+    assert "graft unified" in log.read_text()
 
 
 def test_engine_in_process_serves_ddtree(pair, prompts, baseline):

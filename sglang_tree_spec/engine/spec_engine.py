@@ -36,15 +36,7 @@ from sglang_tree_spec.engine.kv import (
     select_requests,
     verify_attention_mask,
 )
-from sglang_tree_spec.graft import (
-    EdgeAcceptance,
-    StageConfig,
-    SuccessorTable,
-    edge_evidence,
-    graft_stage,
-    graft_unified,
-    stage_confidences,
-)
+from sglang_tree_spec.graft import Grafter, StageConfig, stage_confidences
 from sglang_tree_spec.tree import (
     DraftTree,
     build_chain,
@@ -55,7 +47,6 @@ from sglang_tree_spec.tree import (
     sample_tokens,
     topk_from_logits,
 )
-from sglang_tree_spec.tree.layout import window_valid
 
 GRAFT_METHODS = ("ddtree-graft-stage", "ddtree-graft-unified")
 METHODS = ("ar", "chain", "ddtree", *GRAFT_METHODS)
@@ -144,9 +135,10 @@ class SpecEngine:
             the checkpoints :attr:`confidence_log` records.
         successors_k: ranks per row of the successor table.
 
-    Graft state, kept across :meth:`generate` calls and shared by all requests: ``successors``
-    (a :class:`SuccessorTable`, warm-started from each prompt's bigrams) and, for
-    ``ddtree-graft-unified``, ``edge_acceptance`` (its online edge probabilities). Set
+    Graft state, kept across :meth:`generate` calls and shared by all requests: ``grafter`` (a
+    :class:`~sglang_tree_spec.graft.Grafter`) with its ``successors`` table (warm-started from
+    each prompt's bigrams) and, for ``ddtree-graft-unified``, ``edge_acceptance`` (its online
+    edge probabilities), also exposed as attributes of the engine. Set
     ``confidence_log = []`` to record, for every speculative step, ``(stage_confidences
     [bs, C], accept_len [bs])`` (the input of :func:`~sglang_tree_spec.graft.calibrate_stage`).
     """
@@ -186,13 +178,19 @@ class SpecEngine:
         self.device = target.device
         self.dtype = target.dtype
         self.stage = stage or StageConfig()
-        graft = method in GRAFT_METHODS
-        self.successors = (
-            SuccessorTable(self.vocab_size, successors_k, self.device) if graft else None
+        self.grafter = (
+            Grafter(
+                method.removeprefix("ddtree-graft-"),
+                self.vocab_size,
+                successors_k,
+                self.device,
+                self.stage,
+            )
+            if method in GRAFT_METHODS
+            else None
         )
-        unified = method == "ddtree-graft-unified"
-        self.edge_acceptance = EdgeAcceptance(successors_k, device=self.device) if unified else None
-        self._edge_evidence: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last tree
+        self.successors = self.grafter.successors if self.grafter else None
+        self.edge_acceptance = self.grafter.edge_acceptance if self.grafter else None
         self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------- public API
@@ -221,10 +219,10 @@ class SpecEngine:
         sampling = (temperature, top_k, top_p)
         results: list[GenerationResult | None] = [None] * len(prompts)
         outputs: list[list[int]] = [[] for _ in prompts]
-        if self.successors is not None:
+        if self.grafter is not None:
             width = max(len(p) for p in prompts)
             padded = [p + [-1] * (width - len(p)) for p in prompts]
-            self.successors.observe(torch.tensor(padded, device=self.device))
+            self.grafter.observe_prompts(torch.tensor(padded))
         stats = [RequestStats() for _ in prompts]
 
         batch = self._prefill(prompts, sampling, base_seed, stats)
@@ -321,28 +319,9 @@ class SpecEngine:
         if self.method == "chain":
             return build_chain(lp, tok), lp
         tree = build_ddtree(lp, tok, self.budget, vocab_size=self.vocab_size, validate=False)
-        if self.method == "ddtree-graft-stage":
-            tree = graft_stage(tree, lp, tok, batch.bonus, self.successors, self.stage)
-        elif self.method == "ddtree-graft-unified":
-            tree = graft_unified(tree, lp, tok, batch.bonus, self.successors, self.edge_acceptance)
-            self._edge_evidence = edge_evidence(tree, lp, tok, batch.bonus, self.successors)
+        if self.grafter is not None:
+            tree = self.grafter.graft(tree, lp, tok, batch.bonus)
         return tree, lp
-
-    def _learn_successors(
-        self, tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, committed: torch.Tensor
-    ) -> None:
-        """Refresh the graft state from one verify step.
-
-        Args:
-            tree: the verified trees; ``tokens [bs, W]`` and ``logits [bs, W, V]`` the window
-                and the target's logits at every slot; ``committed [bs, L + 1]`` the committed
-                tokens (-1 padded). Edge acceptance is counted against the evidence the tree
-                was drafted from (the rows before the table takes this step's logits).
-        """
-        if self.edge_acceptance is not None:
-            self.edge_acceptance.observe(tree, *self._edge_evidence, committed)
-        valid = window_valid(tree).flatten()
-        self.successors.update(tokens.flatten(), logits.flatten(0, 1), valid)
 
     def _step(self, batch: _Batch, sampling, stats) -> list[list[int]]:
         """One speculative (or plain) decode step; returns each row's committed tokens."""
@@ -388,8 +367,8 @@ class SpecEngine:
                 result = sample_accept(tree, out.logits, *rows, uniforms=uniforms[:, 1:])
             bonus, path, accept_len = result.bonus, result.accepted_slots, result.accept_len
             committed = result.committed_tokens  # the accepted drafts, then the bonus
-            if self.successors is not None:
-                self._learn_successors(tree, tokens, out.logits, committed)
+            if self.grafter is not None:
+                self.grafter.learn(tree, tokens, out.logits, committed)
             if self.confidence_log is not None:
                 confidence = stage_confidences(draft_lp, self.stage.depths)
                 self.confidence_log.append((confidence.cpu(), accept_len.cpu()))

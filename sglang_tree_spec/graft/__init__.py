@@ -4,10 +4,11 @@ Pure torch, batched, no SGLang or transformers imports. :class:`SuccessorTable` 
 from the target's verify logits; :func:`graft_stage` (Graft's prune-then-graft rule) and
 :func:`graft_unified` (one best-first choice over draft and retrieved nodes) rewrite a DDTree's
 slots without changing its shape; :class:`EdgeAcceptance` learns the unified policy's edge
-probabilities online.
+probabilities online; :class:`Grafter` carries one method's state across decode steps.
 """
 
 from sglang_tree_spec.graft.edges import EdgeAcceptance, edge_evidence, evidence_classes
+from sglang_tree_spec.graft.grafter import GRAFT_METHODS, Grafter
 from sglang_tree_spec.graft.policies import (
     StageConfig,
     calibrate_stage,
@@ -24,8 +25,10 @@ from sglang_tree_spec.graft.template import (
 
 __all__ = [
     "DEFAULT_RANK_PRIOR",
+    "GRAFT_METHODS",
     "UNKNOWN",
     "EdgeAcceptance",
+    "Grafter",
     "RankTemplate",
     "StageConfig",
     "SuccessorTable",

@@ -14,10 +14,20 @@ import dataclasses
 from sglang.srt import server_args as sglang_server_args
 from sglang.srt.arg_groups.arg_utils import NS, A, Arg
 
+from sglang_tree_spec.plugin.validation import GRAFT_CHOICES
+
 TOPK_HELP = (
     "DDTREE only. Cap on the draft top-K per depth the tree is built from. Default: the tree "
     "budget (--speculative-num-draft-tokens minus one), which makes the tree exactly the "
     "budget's most probable prefixes; a smaller cap is faster and approximate."
+)
+
+GRAFT_HELP = (
+    "DDTREE only. Graft retrieved tokens into the draft tree: 'unified' keeps one successor "
+    "table shared by all requests (refreshed from every verify step's top-k) and chooses the "
+    "tree best-first over drafted and retrieved tokens at the same budget. Outputs stay exact "
+    "(sampling: in distribution, but a sampling seed no longer pins them, as the tree depends "
+    "on the shared table). Default: 'none'."
 )
 
 
@@ -26,6 +36,9 @@ class DDTreeServerArgs(sglang_server_args.ServerArgs):
     """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other algorithms)."""
 
     speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
+    speculative_ddtree_graft: A[
+        str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
+    ] = "none"
 
     @property
     def max_speculative_num_draft_tokens(self) -> int | None:

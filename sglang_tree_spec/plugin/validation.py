@@ -37,6 +37,9 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
 SUPPORTED_PAGE_SIZES = (1,)
 
 
+GRAFT_CHOICES = ("none", "unified")  # --speculative-ddtree-graft
+
+
 class DDTreeConfigError(ValueError):
     """A DDTREE configuration SGLang must refuse at start-up (one-line message)."""
 
@@ -54,6 +57,7 @@ def validate_server_args(server_args: Any) -> None:
     check_draft_model_path(server_args.speculative_draft_model_path)
     check_budget(server_args.speculative_num_draft_tokens)
     check_topk(getattr(server_args, "speculative_ddtree_topk", None))
+    check_graft(getattr(server_args, "speculative_ddtree_graft", "none"))
     view = _resolved(server_args)
     check_device(view.device)
     check_attention_backends(view.device, *_attention_backends(view))
@@ -90,6 +94,14 @@ def check_topk(topk: int | None) -> None:
     """``--speculative-ddtree-topk`` caps the draft top-K per depth; it must be positive."""
     if topk is not None and int(topk) < 1:
         raise DDTreeConfigError(f"--speculative-ddtree-topk must be >= 1, got {topk}")
+
+
+def check_graft(graft: str) -> None:
+    """``--speculative-ddtree-graft`` names a graft method the worker serves."""
+    if graft not in GRAFT_CHOICES:
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-graft must be one of {', '.join(GRAFT_CHOICES)}, got {graft!r}"
+        )
 
 
 def check_device(device: str) -> None:

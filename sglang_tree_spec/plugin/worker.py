@@ -5,14 +5,17 @@ they are projected into the draft KV cache). Each decode step then:
 
 1. drafts one block ``[bonus, MASK x (block - 1)]`` with the DFlash drafter (one forward);
 2. takes per-position top-K log-probs of slots ``1..L`` through the target's LM head;
-3. builds the DDTree of ``budget`` nodes (:func:`sglang_tree_spec.tree.build_ddtree`) and its
-   verify layout: ``W = budget + 1`` window slots at positions ``prefix + depth``, written to
-   KV slots ``prefix .. prefix + W - 1`` of each request, with SGLang's FULL_MASK tree mask;
+3. builds the DDTree of ``budget`` nodes (:func:`sglang_tree_spec.tree.build_ddtree`), with
+   ``--speculative-ddtree-graft unified`` grafts retrieved tokens into it from a successor
+   table shared by all requests (:class:`sglang_tree_spec.graft.Grafter`), and lays it out:
+   ``W = budget + 1`` window slots at positions ``prefix + depth``, written to KV slots
+   ``prefix .. prefix + W - 1`` of each request, with SGLang's FULL_MASK tree mask;
 4. verifies the whole tree in one target forward and accepts with the target's own rule
    (:func:`greedy_accept` / :func:`sample_accept`);
 5. moves the accepted path's target KV to the contiguous slots ``prefix .. prefix + a`` and
    writes the drafter's context KV for those tokens from the target hidden states;
-6. returns ``a + 1`` committed tokens per request (accepted drafts, then the bonus).
+6. returns ``a + 1`` committed tokens per request (accepted drafts, then the bonus); with
+   grafting, the table takes the top-k of every verified node's logits.
 
 Every request keeps ``W`` verify slots, so shapes are fixed for a batch size. The worker runs
 synchronously (no overlap scheduling) with TP 1. Sizes come from the scheduler's host copy of
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from sglang_tree_spec.graft import Grafter
 from sglang_tree_spec.plugin.step_times import PhaseTimer
 from sglang_tree_spec.tree import (
     build_ddtree,
@@ -93,12 +97,19 @@ def _define_worker() -> type:
             self._use_fused_kv_materialize = False
             self._fused_kv_helper = None
             self._draft_sampler = None
+            # Token ids the target can emit (its LM head may carry padding rows beyond them).
+            self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
+            graft = getattr(server_args, "speculative_ddtree_graft", "none")
+            self._grafter = (
+                Grafter(graft, self.vocab_size, device=self.device) if graft != "none" else None
+            )
             logger.info(
-                "DDTREE worker: budget %d (window %d), drafter block %d, top-K %d",
+                "DDTREE worker: budget %d (window %d), drafter block %d, top-K %d, graft %s",
                 self.budget,
                 self.window,
                 self.block_size,
                 self.topk,
+                graft,
             )
 
         def init_cuda_graphs(self) -> None:
@@ -108,6 +119,8 @@ def _define_worker() -> type:
             self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None
         ) -> Any:
             if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                if self._grafter is not None:
+                    self._observe_prompts(batch.reqs)
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
             if batch.forward_mode.is_idle():
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
@@ -128,6 +141,8 @@ def _define_worker() -> type:
             topk_logprobs, topk_tokens = self._draft_topk(batch, bonus, prefix_lens)
             timer.mark("draft")
             tree = build_ddtree(topk_logprobs, topk_tokens, self.budget, validate=False)
+            if self._grafter is not None:
+                tree = self._grafter.graft(tree, topk_logprobs, topk_tokens, bonus)
             layout = build_verify_layout(tree, bonus, prefix_lens)
 
             window_pos = prefix_lens[:, None] + torch.arange(self.window, device=self.device)
@@ -150,7 +165,10 @@ def _define_worker() -> type:
                     sampling_info=batch.sampling_info,
                     draft_token_num=self.window,
                 )
-            result = self._accept(batch, tree, logits.view(bs, self.window, -1), prefix_lens)
+            window_logits = logits.view(bs, self.window, -1)  # [bs, W, V]
+            result = self._accept(batch, tree, window_logits, prefix_lens)
+            if self._grafter is not None:
+                self._grafter.learn(tree, layout.tokens, window_logits, result.committed_tokens)
             commit_lens = (result.accept_len + 1).to(torch.int32)  # [bs]
             # A path has at most min(L, budget) nodes after the root: P = min(L + 1, W) slots.
             path_width = min(result.accepted_slots.shape[1], self.window)
@@ -215,6 +233,15 @@ def _define_worker() -> type:
                 commit_lens=commit_lens,
             )
 
+        def _observe_prompts(self, reqs: list[Any]) -> None:
+            """Warm the successor table with the bigrams of the prompts being prefilled."""
+            prompts = [list(req.origin_input_ids) for req in reqs]
+            width = max((len(p) for p in prompts), default=0)
+            if width < 2:
+                return
+            padded = torch.tensor([p + [-1] * (width - len(p)) for p in prompts])
+            self._grafter.observe_prompts(padded.clamp_max(self.vocab_size - 1))
+
         @staticmethod
         def _host_prefix_lens(batch: Any, prefix_lens: torch.Tensor) -> torch.Tensor:
             """``[bs]`` prefix lengths on the host: the scheduler's copy, else one device read."""
@@ -257,8 +284,8 @@ def _define_worker() -> type:
                 draft_out = self.draft_model_runner.forward(forward_batch)
                 hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
                 weight = target_model.lm_head.weight  # [V, H]
-                logits = torch.matmul(hidden.to(weight.dtype), weight.T)  # [bs, L, V]
-                return topk_from_logits(logits, min(self.topk, logits.shape[-1]))
+                logits = torch.matmul(hidden.to(weight.dtype), weight.T)[..., : self.vocab_size]
+                return topk_from_logits(logits, min(self.topk, self.vocab_size))  # [bs, L, K]
 
         def _verify(
             self,

@@ -1,0 +1,111 @@
+"""One graft method's state across decode steps, for any engine that drafts DDTrees.
+
+A :class:`Grafter` owns the successor table (and, for ``unified``, the edge acceptance
+estimate) shared by every request of one engine or server. Each step the engine calls
+:meth:`Grafter.graft` on the freshly built DDTree and, after the target verified the tree,
+:meth:`Grafter.learn` with the verify logits. Pure torch, fixed shapes, no host reads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from sglang_tree_spec.graft.edges import EdgeAcceptance, edge_evidence
+from sglang_tree_spec.graft.policies import StageConfig, graft_stage, graft_unified
+from sglang_tree_spec.graft.table import SuccessorTable
+from sglang_tree_spec.tree.ddtree import DraftTree
+from sglang_tree_spec.tree.layout import window_valid
+
+GraftMethod = Literal["stage", "unified"]
+GRAFT_METHODS: tuple[GraftMethod, ...] = ("stage", "unified")
+
+
+class Grafter:
+    """Successor retrieval grafted into DDTrees: ``stage`` or ``unified`` (see policies).
+
+    Args:
+        method: ``"stage"`` (Graft's prune-then-graft rule, thresholds in ``stage``) or
+            ``"unified"`` (one best-first choice over drafted and retrieved nodes, edge
+            probabilities learnt online).
+        vocab_size: V of the successor table (the target's logits width).
+        k: successors per token.
+        device: where the state lives (the target's device).
+        stage: the stage rule's checkpoints and thresholds (calibrate them on training
+            prompts); ignored by ``unified``.
+
+    Attributes:
+        successors: the ``[V, k]`` :class:`SuccessorTable`.
+        edge_acceptance: the :class:`EdgeAcceptance` of ``unified``, else None.
+    """
+
+    def __init__(
+        self,
+        method: GraftMethod,
+        vocab_size: int,
+        k: int = 8,
+        device: torch.device | str = "cpu",
+        stage: StageConfig | None = None,
+    ) -> None:
+        if method not in GRAFT_METHODS:
+            raise ValueError(f"graft method must be one of {GRAFT_METHODS}, got {method!r}")
+        self.method = method
+        self.stage = stage or StageConfig()
+        self.successors = SuccessorTable(vocab_size, k, device)
+        unified = method == "unified"
+        self.edge_acceptance = EdgeAcceptance(k, device=device) if unified else None
+        self._evidence: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last tree
+
+    def observe_prompts(self, token_ids: torch.Tensor) -> None:
+        """Warm start from the bigrams of ``[n, T]`` prompt token ids (-1 = padding)."""
+        self.successors.observe(token_ids.to(self.successors.device))
+
+    def graft(
+        self,
+        tree: DraftTree,
+        topk_logprobs: torch.Tensor,
+        topk_tokens: torch.Tensor,
+        root_tokens: torch.Tensor,
+    ) -> DraftTree:
+        """The grafted tree: same ``[bs, B]`` shape, ``max_depth`` and invariants as ``tree``.
+
+        Args:
+            tree: the DDTree built from ``topk_logprobs`` / ``topk_tokens`` ``[bs, L, K]``.
+            root_tokens: ``[bs]`` bonus tokens.
+        """
+        if self.edge_acceptance is None:
+            return graft_stage(
+                tree, topk_logprobs, topk_tokens, root_tokens, self.successors, self.stage
+            )
+        grafted = graft_unified(
+            tree, topk_logprobs, topk_tokens, root_tokens, self.successors, self.edge_acceptance
+        )
+        # Edge acceptance is counted against the rows the tree was drafted from.
+        self._evidence = edge_evidence(
+            grafted, topk_logprobs, topk_tokens, root_tokens, self.successors
+        )
+        return grafted
+
+    def learn(
+        self,
+        tree: DraftTree,
+        window_tokens: torch.Tensor,
+        logits: torch.Tensor,
+        committed: torch.Tensor,
+    ) -> None:
+        """Refresh the state from one verify step of ``tree`` (the last one grafted).
+
+        Args:
+            tree: the verified ``[bs, B]`` trees.
+            window_tokens: ``[bs, W]`` the verify window (root, then the nodes).
+            logits: ``[bs, W, V]`` the target's logits at every window slot.
+            committed: ``[bs, L + 1]`` committed tokens (accepted drafts, the bonus, -1 after).
+        """
+        if self.edge_acceptance is not None:
+            if self._evidence is None:
+                raise RuntimeError("Grafter.learn needs the tree of the last Grafter.graft")
+            self.edge_acceptance.observe(tree, *self._evidence, committed)
+            self._evidence = None
+        valid = window_valid(tree).flatten()
+        self.successors.update(window_tokens.flatten(), logits.flatten(0, 1), valid)
