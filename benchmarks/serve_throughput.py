@@ -1,7 +1,8 @@
 """Benchmark: output throughput of a real SGLang server, no speculation vs DDTREE.
 
-For each configuration (``none``, ``ddtree:B`` for each budget, and on a GPU ``dflash``, SGLang's
-built-in DFlash chain with the same drafter) one server is started with SGLang's own launcher,
+For each configuration (``none``, ``ddtree:B`` for each budget, ``ddtree-graft:B`` with the
+unified graft, and on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter)
+one server is started with SGLang's own launcher,
 warmed up, then sent the same held-out prompts at each concurrency (greedy, fixed output
 length). Output tokens/s is the total of generated tokens over the wall time of that round;
 tau is SGLang's per-request accept length (tokens per verify step, bonus included). Ratios are
@@ -40,7 +41,8 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "serve_throughput_cpu.json"
 
 
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
-    """SGLang's launcher for one configuration: ``none``, ``dflash`` or ``ddtree:<budget>``."""
+    """SGLang's launcher for one configuration: ``none``, ``dflash``, ``ddtree:<budget>`` or
+    ``ddtree-graft:<budget>``."""
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.target), "--device", args.device,
@@ -52,13 +54,17 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
     if config == "dflash":
         command += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
                     str(args.drafter)]  # fmt: skip
-    elif config.startswith("ddtree:"):
+    elif config.startswith(("ddtree:", "ddtree-graft:")):
         budget = int(config.split(":", 1)[1])
         command += ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
                     str(args.drafter),
                     "--speculative-num-draft-tokens", str(budget + 1)]  # fmt: skip
+        if config.startswith("ddtree-graft:"):
+            command += ["--speculative-ddtree-graft", "unified"]
     elif config != "none":
-        raise SystemExit(f"unknown configuration {config!r} (none, dflash, ddtree:<budget>)")
+        raise SystemExit(
+            f"unknown configuration {config!r} (none, dflash, ddtree:<B>, ddtree-graft:<B>)"
+        )
     return command
 
 
