@@ -1,4 +1,5 @@
-"""Pure-torch tree speculative decoding core: DDTree selection, verify layout, acceptance.
+"""Pure-torch tree speculative decoding core: DDTree selection, verify layout, acceptance, and
+the draft top-K of a vocabulary-parallel LM head.
 
 Device-agnostic, batched, fixed-shape and free of host synchronisation on the hot path; no
 SGLang or transformers imports.
@@ -27,6 +28,7 @@ from sglang_tree_spec.tree.layout import (
     full_mask_indptr,
     write_full_mask,
 )
+from sglang_tree_spec.tree.vocab_parallel import vocab_parallel_topk
 
 __all__ = [
     "AcceptResult",
@@ -45,5 +47,6 @@ __all__ = [
     "sample_tokens",
     "target_probs",
     "topk_from_logits",
+    "vocab_parallel_topk",
     "write_full_mask",
 ]
