@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from tree_helpers import random_marginals
+from tree_helpers import node_paths, random_marginals
 
 from sglang_tree_spec.tree import (
     build_ddtree,
@@ -171,41 +171,53 @@ def ideal_step_distribution(tree, slot_probs: np.ndarray, b: int) -> dict[tuple,
     return out
 
 
-def enumerated_step_distribution(tree, logits, temperature, top_k, top_p, b: int):
-    """Exact law of sample_accept's output: enumerate every node coin outcome.
+def coin_cells(slot_probs: np.ndarray) -> list[tuple[float, float]]:
+    """The cells of [0, 1) within which no slot's inverse-CDF draw changes: cut at every
+    cumulative probability of every slot. (The law is then compared with the ideal one,
+    computed from the independent ``reference_probs``.)"""
+    cuts = {0.0, 1.0} | {float(c) for row in slot_probs for c in np.cumsum(row)[:-1]}
+    edges = sorted(c for c in cuts if 0.0 <= c <= 1.0)
+    return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi - lo > 1e-9]
 
-    A node coin u either passes (u = 0) or fails (u just below 1). The weight of an outcome
-    multiplies the implementation's own acceptance probabilities; the bonus contributes its
-    reported residual. Wrong probabilities or wrong wiring both change the law.
+
+def enumerated_step_distribution(tree, logits, temperature, top_k, top_p, b: int):
+    """Exact law of sample_accept's output, enumerating every coin cell depth by depth.
+
+    Coin d decides the token committed at depth d. For each cell of coin d (its length is its
+    probability) run the implementation with that coin; if the walk stopped at depth d, the
+    output is final, else recurse into coin d + 1. Wrong probabilities, a coin used at the
+    wrong depth or a wrong walk all change the law.
     """
-    budget = tree.budget
+    row = slice(b, b + 1)
+    sub = type(tree)(
+        tree.tokens[row],
+        tree.parents[row],
+        tree.depths[row],
+        tree.logprobs[row],
+        tree.valid[row],
+        tree.max_depth,
+    )
+    params = [x[row] if torch.is_tensor(x) else x for x in (temperature, top_k, top_p)]
+    slot_probs = target_probs(logits[row], *params)[0].double().numpy()
+    cells = coin_cells(slot_probs)
+    depth_count = tree.max_depth + 1
     out: dict[tuple, float] = defaultdict(float)
-    just_below_one = np.nextafter(1.0, 0.0)
-    for outcome in itertools.product([True, False], repeat=budget):
-        uniforms = torch.tensor(
-            [[0.0 if passed else just_below_one for passed in outcome] + [0.5]],
-            dtype=torch.float64,
-        )
-        row = slice(b, b + 1)
-        sub = type(tree)(
-            tree.tokens[row],
-            tree.parents[row],
-            tree.depths[row],
-            tree.logprobs[row],
-            tree.valid[row],
-            tree.max_depth,
-        )
-        params = [x[row] if torch.is_tensor(x) else x for x in (temperature, top_k, top_p)]
-        res = sample_accept(sub, logits[row], *params, uniforms=uniforms)
-        accept_prob = res.node_accept_prob[0].double().numpy()
-        weight = float(np.prod(np.where(outcome, accept_prob, 1.0 - accept_prob)))
-        if weight == 0.0:
-            continue
-        n = res.accept_len.item()
-        path = tuple(res.committed_tokens[0, :n].tolist())
-        for token, p in enumerate(res.bonus_probs[0].double().numpy()):
-            if p > 0:
-                out[(*path, token)] += weight * p
+
+    def explore(coins: list[float], weight: float) -> None:
+        depth = len(coins)
+        for lo, hi in cells:
+            tried = [*coins, (lo + hi) / 2]
+            uniforms = torch.tensor(
+                [tried + [0.5] * (depth_count - depth - 1)], dtype=torch.float64
+            )
+            res = sample_accept(sub, logits[row], *params, uniforms=uniforms)
+            n = res.accept_len.item()
+            if n > depth:  # coin `depth` picked a child: the later coins decide the rest
+                explore(tried, weight * (hi - lo))
+            else:
+                out[tuple(res.committed_tokens[0, : n + 1].tolist())] += weight * (hi - lo)
+
+    explore([], 1.0)
     return out
 
 
@@ -272,21 +284,47 @@ def test_zero_temperature_sampling_is_greedy():
     assert greedy.accept_len.min().item() >= 1
 
 
-def test_bonus_draw_follows_the_residual():
-    """Sweep the bonus coin over a fine grid: token frequencies equal the residual."""
-    lp, tok = random_marginals(1, 2, 2, vocab=6, seed=4)
-    tree = build_ddtree(lp, tok, 3)
-    logits = torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(9))
-    grid = 4000
-    counts = np.zeros(6)
-    residual = None
-    for j in range(grid):
-        uniforms = torch.tensor([[0.999999] * 3 + [(j + 0.5) / grid]], dtype=torch.float64)
-        res = sample_accept(tree, logits, 1.0, uniforms=uniforms)
-        assert res.accept_len.item() == 0 or res.node_accept_prob.max() > 0.999999
-        counts[res.bonus.item()] += 1
-        residual = res.bonus_probs[0].numpy()
-    np.testing.assert_allclose(counts / grid, residual, atol=1.0 / grid + 1e-6)
+def plain_sampling(next_logits, context: tuple, coins: list[float], temperature: float):
+    """The target alone: token d is the inverse-CDF draw of coin d after the tokens before it."""
+    tokens: list[int] = []
+    for coin in coins:
+        probs = target_probs(next_logits(context + tuple(tokens)).view(1, -1), temperature)
+        cdf = probs[0].double().cumsum(0)
+        tokens.append(
+            int(torch.searchsorted(cdf, coin * cdf[-1], right=True).clamp_max(len(cdf) - 1))
+        )
+    return tokens
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 20])
+def test_sampled_tokens_are_the_target_alone_for_any_tree(budget):
+    """With the same coins, every tree commits a prefix of what the target samples alone:
+    the sampled output does not depend on the tree (nor on the budget or a graft)."""
+    vocab, depth, temperature = 6, 4, 0.9
+    table = torch.randn(vocab**3, vocab, generator=torch.Generator().manual_seed(5)) * 1.5
+
+    def next_logits(context: tuple) -> torch.Tensor:  # a toy target: logits from the last 3
+        key = 0
+        for token in context[-3:]:
+            key = key * vocab + token
+        return table[key % table.shape[0]]
+
+    context = (2, 5)
+    for seed in range(5):
+        lp, tok = random_marginals(1, depth, 3, vocab=vocab, seed=seed, sharpness=1.5)
+        tree = build_ddtree(lp, tok, budget)
+        paths = node_paths(
+            tree.parents[0].tolist(), tree.tokens[0].tolist(), tree.valid[0].tolist()
+        )
+        slot_contexts = [context] + [context + path for path in paths]
+        logits = torch.stack([next_logits(c) for c in slot_contexts]).unsqueeze(0)
+        coins = torch.rand(
+            1, depth + 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
+        res = sample_accept(tree, logits, temperature, uniforms=coins)
+        n = res.accept_len.item()
+        alone = plain_sampling(next_logits, context, coins[0].tolist(), temperature)
+        assert res.committed_tokens[0, : n + 1].tolist() == alone[: n + 1]
 
 
 def test_sampling_rejects_bad_shapes():
@@ -294,7 +332,7 @@ def test_sampling_rejects_bad_shapes():
     with pytest.raises(ValueError, match="target_logits"):
         sample_accept(tree, torch.zeros(2, 4, 6), 1.0)
     with pytest.raises(ValueError, match="uniforms"):
-        sample_accept(tree, torch.zeros(2, 5, 6), 1.0, uniforms=torch.rand(2, 4))
+        sample_accept(tree, torch.zeros(2, 5, 6), 1.0, uniforms=torch.rand(2, 5))
 
 
 def test_counter_uniforms_are_reproducible_uniform_and_batch_independent():

@@ -168,6 +168,27 @@ def test_sampling_is_reproducible_with_a_seed():
     assert [r.tokens for r in a] != [r.tokens for r in c]
 
 
+def test_seeded_sampling_is_the_same_for_every_method():
+    """Coins are keyed by (request seed, token position) and the target samples while the
+    tree only matches, so every method commits exactly the tokens ``ar`` samples: the
+    speculation (chain, tree, budget, grafting) is invisible in the output."""
+    target = tiny_target("llama", seed=6, vocab=12)  # a small vocabulary: drafts get accepted
+    drafter = random_drafter(target, 8, seed=3)
+    prompts = [[1, 2, 3, 4, 5], [0, 3], [5, 4, 3, 2, 1, 0, 1]]
+    kwargs = dict(temperature=0.9, top_p=0.95, stop_token_ids=[], seed=11)
+    plain = SpecEngine(target, None, method="ar", topk=12).generate(prompts, 24, **kwargs)
+    for method, budget in [
+        ("chain", 8),
+        ("ddtree", 4),
+        ("ddtree", 32),
+        ("ddtree-graft-unified", 16),
+    ]:
+        engine = SpecEngine(target, drafter, method=method, budget=budget, topk=12)
+        results = engine.generate(prompts, 24, **kwargs)
+        assert [r.tokens for r in results] == [r.tokens for r in plain], (method, budget)
+        assert sum(max(r.stats.commit_lengths) > 1 for r in results) > 0, method  # drafts used
+
+
 # ------------------------------------------------------------ bad input
 
 

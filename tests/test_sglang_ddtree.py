@@ -178,8 +178,19 @@ def test_ddtree_chat_completion_equals_no_speculation(ddtree_server, baseline):
     assert ddtree_server.chat() == baseline["chat"]
 
 
-def test_ddtree_seeded_sampling_completes_and_reproduces(ddtree_server, prompts):
-    sampling = {"temperature": 0.7, "top_p": 0.9, "sampling_seed": 1234}
+SEEDED = {"temperature": 0.7, "top_p": 0.9, "sampling_seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def seeded_outputs() -> dict[str, list[int]]:
+    """Seeded sampled output of ``prompts[1]`` by server, filled as the servers run."""
+    return {}
+
+
+def test_ddtree_seeded_sampling_completes_and_reproduces(ddtree_server, prompts, seeded_outputs):
+    """A seed pins the output, and the output does not depend on the tree budget: the coin
+    of a token is keyed by its position, and the target samples, the tree only matches."""
+    sampling = SEEDED
     first = ddtree_server.generate(prompts[1], **sampling)
     again = ddtree_server.generate(prompts[1], **sampling)
     other = ddtree_server.generate(prompts[1], **{**sampling, "sampling_seed": 99})
@@ -187,6 +198,9 @@ def test_ddtree_seeded_sampling_completes_and_reproduces(ddtree_server, prompts)
     assert len(first["output_ids"]) == NEW_TOKENS
     assert first["output_ids"] == again["output_ids"]
     assert other["output_ids"] != first["output_ids"] or first["output_ids"] != greedy["output_ids"]
+    for earlier in seeded_outputs.values():  # the other budget's server, when it ran first
+        assert first["output_ids"] == earlier
+    seeded_outputs[ddtree_server.base_url] = first["output_ids"]
 
 
 def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseline):
@@ -208,19 +222,21 @@ def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseli
     assert ddtree_server.greedy(prompts[:4], 4) == baseline["sequential"][:4]
 
 
-def test_grafted_ddtree_greedy_equals_no_speculation(pair, prompts, baseline, tmp_path_factory):
+def test_grafted_ddtree_greedy_equals_no_speculation(
+    pair, prompts, baseline, seeded_outputs, tmp_path_factory
+):
     """``--speculative-ddtree-graft unified``: a successor table shared by all requests,
     refreshed from every verify step, rewrites each tree; greedy output stays the target's,
-    8 requests at once, and sampled requests complete. (A sampling seed does not pin the
-    output here: the coins are per tree slot and the tree depends on the shared table.)"""
+    8 requests at once, and a seeded sampled output is the same as without grafting."""
     log = tmp_path_factory.mktemp("graft") / "server.log"
     command = [*server_command(pair, free_port(), 16), "--speculative-ddtree-graft", "unified"]
     for server in running_server(command, log):
         assert server.greedy(prompts, 8) == baseline["sequential"]
-        sampling = {"temperature": 0.7, "top_p": 0.9, "sampling_seed": 7}
-        sampled = server.generate(prompts[3], **sampling)
-        assert len(sampled["output_ids"]) == NEW_TOKENS
+        sampled = server.generate(prompts[1], **SEEDED)
+        assert server.generate(prompts[1], **SEEDED)["output_ids"] == sampled["output_ids"]
         assert sampled["meta_info"]["spec_verify_ct"] < NEW_TOKENS
+        for earlier in seeded_outputs.values():  # the ungrafted servers of this module
+            assert sampled["output_ids"] == earlier
     assert "graft unified" in log.read_text()
 
 

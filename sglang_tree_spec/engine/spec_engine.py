@@ -42,6 +42,7 @@ from sglang_tree_spec.tree import (
     build_chain,
     build_ddtree,
     build_verify_layout,
+    counter_uniforms,
     greedy_accept,
     sample_accept,
     sample_tokens,
@@ -111,7 +112,7 @@ class _Batch:
     bonus: torch.Tensor  # [bs] committed token not yet in the cache (next root)
     cache: DynamicCache
     draft_cache: DFlashContextCache | None
-    generators: list[torch.Generator]
+    seeds: torch.Tensor  # [bs] int64 sampling seed of each request
 
     @property
     def size(self) -> int:
@@ -210,7 +211,8 @@ class SpecEngine:
 
         ``temperature = 0`` is greedy. ``stop_token_ids`` defaults to the target's EOS ids
         (pass ``[]`` to disable); a stop token is kept in the output. ``seed`` makes sampling
-        reproducible: request ``i`` draws from its own generator seeded ``seed + i``.
+        reproducible: request ``i``'s coin for a token is a hash of (``seed + i``, its position),
+        so every method (``ar`` included) samples the same tokens for the same seed.
         """
         prompts = [list(p) for p in prompts]
         self._check_request(prompts, max_new_tokens, temperature, top_p, top_k)
@@ -295,11 +297,9 @@ class SpecEngine:
             output_hidden_states=self.drafter is not None,
         )
         check_plain_cache(cache)
-        generators = [
-            torch.Generator(device=self.device).manual_seed(base_seed + i) for i in range(bs)
-        ]
+        seeds = torch.arange(bs, device=self.device) + base_seed
         last_logits = out.logits[torch.arange(bs), lengths - 1]  # [bs, V]
-        uniforms = self._coins(generators, 1, sampling)[:, 0]
+        uniforms = self._coins(seeds, (lengths - 1).unsqueeze(1), sampling)[:, 0]
         bonus = sample_tokens(last_logits, *self._sampling_rows(sampling, bs), uniforms=uniforms)
         draft_cache = None
         if self.drafter is not None:
@@ -307,7 +307,7 @@ class SpecEngine:
             features = self.drafter.target_hidden_features(out.hidden_states)
             draft_cache.append(features, lengths)
         self._timed(stats, list(range(bs)), "verify", start)
-        return _Batch(list(range(bs)), lengths, bonus, cache, draft_cache, generators)
+        return _Batch(list(range(bs)), lengths, bonus, cache, draft_cache, seeds)
 
     def _draft_tree(self, batch: _Batch) -> tuple[DraftTree, torch.Tensor]:
         """Draft a block from each bonus token and select the tree. ``[bs, B or L]``, and the
@@ -351,12 +351,14 @@ class SpecEngine:
         )
         start = self._timed(stats, ids, "verify", start)
 
-        width = tokens.shape[1]
-        # [bs, W + 1]: a coin per node, then one for the bonus
-        uniforms = self._coins(batch.generators, width + 1, sampling)
+        # A coin per token this step can commit, keyed by the position it is drawn at (the
+        # root's, prefix_len, plus its depth): every method draws the same token there.
+        depth_count = 1 if tree is None else tree.max_depth + 1
+        positions = batch.prefix_lens.unsqueeze(1) + torch.arange(depth_count, device=self.device)
+        uniforms = self._coins(batch.seeds, positions, sampling)  # [bs, L + 1]
         rows = self._sampling_rows(sampling, bs)
         if tree is None:
-            bonus = sample_tokens(out.logits[:, 0], *rows, uniforms=uniforms[:, -1])
+            bonus = sample_tokens(out.logits[:, 0], *rows, uniforms=uniforms[:, 0])
             path = torch.zeros(bs, 1, dtype=torch.long, device=self.device)
             accept_len = torch.zeros(bs, dtype=torch.long, device=self.device)
             committed = bonus.view(bs, 1)
@@ -364,7 +366,7 @@ class SpecEngine:
             if sampling[0] <= 0:
                 result = greedy_accept(tree, out.logits.argmax(dim=-1))
             else:
-                result = sample_accept(tree, out.logits, *rows, uniforms=uniforms[:, 1:])
+                result = sample_accept(tree, out.logits, *rows, uniforms=uniforms)
             bonus, path, accept_len = result.bonus, result.accepted_slots, result.accept_len
             committed = result.committed_tokens  # the accepted drafts, then the bonus
             if self.grafter is not None:
@@ -388,13 +390,13 @@ class SpecEngine:
 
     # ------------------------------------------------------------------------- bookkeeping
 
-    def _coins(self, generators: list[torch.Generator], count: int, sampling) -> torch.Tensor:
-        """``[bs, count]`` uniforms, row ``i`` from request ``i``'s own generator, so a seeded
-        request draws the same coins whatever batch it runs in. Greedy decoding uses no coin:
-        zeros, without a per-request loop."""
+    def _coins(self, seeds: torch.Tensor, positions: torch.Tensor, sampling) -> torch.Tensor:
+        """``[bs, n]`` uniforms for the tokens drawn at ``positions`` ``[bs, n]``: a hash of
+        (request seed, position), so a request draws the same coin for the same token whatever
+        batch, method or tree it runs with. Greedy decoding uses no coin: zeros."""
         if sampling[0] <= 0:
-            return torch.zeros(len(generators), count, device=self.device)
-        return torch.stack([torch.rand(count, generator=g, device=g.device) for g in generators])
+            return torch.zeros(positions.shape, dtype=torch.float64, device=self.device)
+        return counter_uniforms(seeds, positions)
 
     def _sampling_rows(self, sampling, bs: int) -> tuple[torch.Tensor, ...]:
         temperature, top_k, top_p = sampling
@@ -431,5 +433,5 @@ class SpecEngine:
             bonus=batch.bonus.index_select(0, index),
             cache=batch.cache,
             draft_cache=batch.draft_cache,
-            generators=[batch.generators[row] for row in alive],
+            seeds=batch.seeds.index_select(0, index),
         )

@@ -25,9 +25,8 @@ TOPK_HELP = (
 GRAFT_HELP = (
     "DDTREE only. Graft retrieved tokens into the draft tree: 'unified' keeps one successor "
     "table shared by all requests (refreshed from every verify step's top-k) and chooses the "
-    "tree best-first over drafted and retrieved tokens at the same budget. Outputs stay exact "
-    "(sampling: in distribution, but a sampling seed no longer pins them, as the tree depends "
-    "on the shared table). Default: 'none'."
+    "tree best-first over drafted and retrieved tokens at the same budget. Outputs are "
+    "unchanged. Default: 'none'."
 )
 
 

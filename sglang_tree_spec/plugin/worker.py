@@ -336,23 +336,24 @@ def _define_worker() -> type:
             )
 
         def _coins(self, batch: Any, prefix_lens: torch.Tensor) -> torch.Tensor:
-            """``[bs, W]`` uniforms: one per node, the last for the bonus draw.
+            """``[bs, L + 1]`` uniforms, one per depth: coin ``d`` draws the token after the
+            root and ``d`` accepted drafts (see :func:`sample_accept`).
 
-            A request with a sampling seed draws ``counter_uniforms(seed, prefix * W + slot)``:
-            reproducible, and never reused (the prefix grows every step). Others draw from the
+            A request with a sampling seed draws ``counter_uniforms(seed, prefix + d)``, keyed
+            by the position the token is drawn at: the same coin for the same token whatever
+            the tree, budget or batch, so its output is reproducible. Others draw from the
             worker's generator, seeded with ``--random-seed``.
             """
             seeds = [req.sampling_params.sampling_seed for req in batch.reqs]
-            bs = len(seeds)
-            fresh = torch.rand(bs, self.window, generator=self._generator, dtype=torch.float64)
+            bs, depth_count = len(seeds), self.block_size  # L + 1 = the drafter's block
+            fresh = torch.rand(bs, depth_count, generator=self._generator, dtype=torch.float64)
             if all(seed is None for seed in seeds):
                 return fresh.to(self.device)
             seeded = torch.tensor([seed is not None for seed in seeds], device=self.device)
             seed_values = torch.tensor([seed or 0 for seed in seeds], device=self.device)
-            slots = torch.arange(self.window, device=self.device)
-            counters = prefix_lens[:, None] * self.window + slots
+            positions = prefix_lens[:, None] + torch.arange(depth_count, device=self.device)
             return torch.where(
-                seeded[:, None], counter_uniforms(seed_values, counters), fresh.to(self.device)
+                seeded[:, None], counter_uniforms(seed_values, positions), fresh.to(self.device)
             )
 
     return DDTreeWorker

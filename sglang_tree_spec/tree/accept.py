@@ -8,14 +8,13 @@ Greedy: a node matches when its token is the target's argmax at its parent; a no
 when it and all its ancestors match. Siblings carry distinct tokens, so the accepted nodes form
 one path; the target's argmax at its deepest node is the bonus token.
 
-Sampling (lossless for deterministic drafts): at an accepted node with target distribution p,
-try its children in order; child c is accepted with probability r(c), r the current residual
-(p with the tokens of the rejected earlier siblings zeroed and renormalised); if every child is
-rejected, the bonus is drawn from the final residual. With distinct sibling tokens the residual
-before child c is p restricted to the complement of its earlier siblings, so
-``P(accept c | reached) = p(c) / (1 - sum of p over earlier siblings)``. Each node has its own
-coin, used at most once, so deciding every node's coin up front and then walking is the same
-process as the sequential walk.
+Sampling (lossless for any draft): the target samples its own token at every slot, by inverse
+CDF with one coin per depth (all slots of a depth share it), and the walk is the greedy walk
+against those draws. The token committed at depth d is the target's draw with coin d in the
+context of the tokens committed before it, exactly what the target alone would sample with the
+same coins; a coin decides at most one committed token and no decision looks at a later coin.
+With coins keyed by the token position (:func:`counter_uniforms`) a request's sampled output
+is therefore the same for every tree, budget and batch.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_tree_spec.tree.ddtree import DraftTree
-from sglang_tree_spec.tree.layout import SiblingGroups, group_siblings, slot_parents, window_valid
+from sglang_tree_spec.tree.layout import slot_parents
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,9 @@ class SampledAcceptResult(AcceptResult):
 
     Attributes:
         node_accept_prob: ``[bs, B]`` float64 probability that node ``i`` is accepted given
-            that its parent was accepted and its earlier siblings were rejected.
-        bonus_probs: ``[bs, V]`` the residual distribution the bonus was drawn from.
+            that its parent was: the target's probability of its token there.
+        bonus_probs: ``[bs, V]`` the law of the bonus given where the walk stopped: the
+            target's distribution at the deepest accepted slot without its children's tokens.
     """
 
     node_accept_prob: torch.Tensor
@@ -190,14 +190,6 @@ def target_probs(
     return out.squeeze(1) if squeeze else out
 
 
-def _first_passing_child(groups: SiblingGroups, passes: torch.Tensor) -> torch.Tensor:
-    """``[bs, D]`` bool: the slot passes its coin and no earlier sibling did."""
-    passes_in_order = passes.gather(1, groups.order).to(torch.long)
-    earlier = groups.exclusive_cumsum(passes_in_order)
-    first_in_order = (passes_in_order > 0) & (earlier == 0)
-    return torch.zeros_like(passes).scatter_(1, groups.order, first_in_order)
-
-
 def _sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw. ``probs`` ``[bs, V]`` (any positive scale), ``uniform`` ``[bs]``."""
     cdf = probs.double().cumsum(dim=1)
@@ -227,6 +219,12 @@ def sample_tokens(
     return _sample_from(target_probs(logits, temperature, top_k, top_p), uniforms)
 
 
+def slot_depths(tree: DraftTree) -> torch.Tensor:
+    """``[bs, B + 1]`` int64 depth of every window slot (root 0; padding slots 0)."""
+    depths = torch.where(tree.valid, tree.depths, 0)
+    return torch.cat([torch.zeros_like(depths[:, :1]), depths], dim=1)
+
+
 def sample_accept(
     tree: DraftTree,
     target_logits: torch.Tensor,
@@ -238,63 +236,55 @@ def sample_accept(
     uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> SampledAcceptResult:
-    """Lossless acceptance under the target's sampling rule.
+    """Lossless acceptance under the target's sampling rule: the target samples, the tree matches.
+
+    Every window slot draws the target's token there by inverse CDF (token-id order) with the
+    coin of its depth: ``uniforms[:, d]`` for every slot of depth ``d`` (the root is depth 0).
+    The walk then is :func:`greedy_accept` against those draws: from the root, move to the
+    child whose token is the draw, and commit the first draw that leaves the tree as the bonus.
+    So the committed tokens are exactly what the target alone samples with coin ``d`` for the
+    ``d``-th token of the step, whatever the tree: exact in distribution, and with coins keyed
+    by position (:func:`counter_uniforms`) reproducible across budgets, trees and batches.
 
     Args:
-        tree: ``[bs, B]`` draft trees (deterministic drafts, distinct sibling tokens).
+        tree: ``[bs, B]`` draft trees (distinct sibling tokens).
         target_logits: ``[bs, B + 1, V]`` target logits at every window slot.
         temperature, top_k, top_p, min_p: scalars or ``[bs]``; see :func:`target_probs`. A
             request with ``temperature <= 0`` is accepted greedily (its distribution is one-hot).
-        uniforms: optional ``[bs, B + 1]`` coins in [0, 1): one per node, the last one for the
-            bonus draw. Drawn from ``generator`` when omitted.
+        uniforms: optional ``[bs, L + 1]`` coins in [0, 1), one per depth (``L`` =
+            ``tree.max_depth``). Drawn from ``generator`` when omitted.
 
     Returns:
-        A :class:`SampledAcceptResult`: the committed tokens follow the target's distribution
-        exactly, whatever the draft.
+        A :class:`SampledAcceptResult`.
     """
-    bs, budget = tree.batch_size, tree.budget
+    bs, budget, depth_max = tree.batch_size, tree.budget, tree.max_depth
     if target_logits.dim() != 3 or target_logits.shape[:2] != (bs, budget + 1):
         raise ValueError(
             f"target_logits must be [bs, budget + 1, V] with bs={bs}, budget={budget}; "
             f"got {tuple(target_logits.shape)}"
         )
     if uniforms is None:
-        uniforms = torch.rand(bs, budget + 1, generator=generator, device=tree.device)
-    elif uniforms.shape != (bs, budget + 1):
-        raise ValueError(f"uniforms must be [bs, budget + 1], got {tuple(uniforms.shape)}")
+        uniforms = torch.rand(
+            bs, depth_max + 1, generator=generator, device=tree.device, dtype=torch.float64
+        )
+    elif uniforms.shape != (bs, depth_max + 1):
+        raise ValueError(
+            f"uniforms must be [bs, max_depth + 1] = {(bs, depth_max + 1)}, "
+            f"got {tuple(uniforms.shape)}"
+        )
     vocab = target_logits.shape[2]
     probs = target_probs(target_logits, temperature, top_k, top_p, min_p)  # [bs, D, V]
-    parents = tree.parent_slots()
-
-    # p(token of node i) under its parent's distribution, and the mass of its earlier siblings.
-    node_prob = probs.flatten(1).gather(1, parents * vocab + tree.tokens).double()  # [bs, B]
-    node_prob = torch.where(tree.valid, node_prob, 0.0)
-    groups = group_siblings(slot_parents(tree), window_valid(tree))
-    window_prob = torch.cat([node_prob.new_zeros(bs, 1), node_prob], dim=1)  # [bs, D]
-    earlier_mass = torch.zeros_like(window_prob).scatter_(
-        1, groups.order, groups.exclusive_cumsum(window_prob.gather(1, groups.order))
-    )[:, 1:]
-    remaining = (1.0 - earlier_mass).clamp_min(0.0)
-    accept_prob = torch.where(remaining > 0, node_prob / remaining, 0.0).clamp(0.0, 1.0)
-
-    passes = torch.cat(
-        [
-            torch.zeros(bs, 1, dtype=torch.bool, device=tree.device),
-            uniforms[:, :budget].double() < accept_prob,
-        ],
-        dim=1,
-    )
-    taken = _first_passing_child(groups, passes)[:, 1:]
-    accept_len, path = _accepted_path(tree, taken)
-    bonus_probs = _bonus_residual(tree, probs, _deepest_slot(accept_len, path))
-    bonus = _sample_from(bonus_probs, uniforms[:, budget])
+    coins = uniforms.to(tree.device).gather(1, slot_depths(tree))  # [bs, D]
+    drawn = _sample_from(probs.flatten(0, 1), coins.flatten()).view(bs, budget + 1)
+    result = greedy_accept(tree, drawn)
+    node_prob = probs.flatten(1).gather(1, tree.parent_slots() * vocab + tree.tokens).double()
     return SampledAcceptResult(
-        accept_len=accept_len,
-        bonus=bonus,
-        accepted_slots=path,
-        committed_tokens=_committed_tokens(tree, accept_len, path, bonus),
-        node_accept_prob=accept_prob,
-        bonus_probs=bonus_probs,
+        accept_len=result.accept_len,
+        bonus=result.bonus,
+        accepted_slots=result.accepted_slots,
+        committed_tokens=result.committed_tokens,
+        node_accept_prob=torch.where(tree.valid, node_prob, 0.0),
+        bonus_probs=_bonus_residual(tree, probs, result.deepest_slot),
     )
 
 
