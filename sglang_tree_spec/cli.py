@@ -70,6 +70,12 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return run_train_drafter(args)
 
 
+def _regen_data(args: argparse.Namespace) -> int:
+    from sglang_tree_spec.models.regen_data import run_regen_data
+
+    return run_regen_data(args)
+
+
 def _fetch_model(args: argparse.Namespace) -> int:
     from sglang_tree_spec.models.zoo import ZooError, fetch
 
@@ -148,17 +154,23 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     listing.add_argument("--cache-dir", type=Path, default=None, help="cache root, as for fetch")
     listing.set_defaults(handler=_list_models)
     train = model_commands.add_parser("train-drafter", help="train a DFlash drafter")
+    regen = model_commands.add_parser(
+        "regen-data", help="drafter training data: the target's continuations of training prompts"
+    )
     pair = model_commands.add_parser(
         "build-small-pair",
         help="train the small target + DFlash drafter pair (~30 min, 2 CPU cores)",
     )
     if with_models:
+        from sglang_tree_spec.models.regen_data import add_regen_data_args
         from sglang_tree_spec.models.small_pair import add_build_small_pair_args
         from sglang_tree_spec.models.train_dflash import add_train_drafter_args
 
         add_train_drafter_args(train)
+        add_regen_data_args(regen)
         add_build_small_pair_args(pair)
     train.set_defaults(handler=_train_drafter)
+    regen.set_defaults(handler=_regen_data)
     pair.set_defaults(handler=_build_small_pair)
     return parser
 

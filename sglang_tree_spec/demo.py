@@ -2,12 +2,13 @@
 
 By default the pair is SmolLM2-135M-Instruct (``sglang-tree-spec models fetch
 smollm2-135m-instruct``) with its DFlash drafter from ``<cache>/drafters/
-smollm2-135m-instruct-dflash``, prompted with held-out HumanEval problems in its chat template,
-when both are in the cache; otherwise the committed small pair (a small Llama target trained on
-Python's standard library and its DFlash drafter, both by this project's recipes, shipped with
-the package), prompted with held-out standard-library functions never seen in training. Every
-method decodes the same batch greedily; the outputs must be identical, and the table shows
-tokens per verify step (tau) and tokens per second.
+smollm2-135m-instruct-dflash``, else the one shipped in ``assets/smollm2-135m-instruct-dflash``
+(trained by ``launch/train-smollm2-drafter.sh``), prompted with held-out HumanEval problems in
+its chat template, when the target is in the cache; otherwise the committed small pair (a small
+Llama target trained on Python's standard library and its DFlash drafter, both by this
+project's recipes, shipped with the package), prompted with held-out standard-library
+functions never seen in training. Every method decodes the same batch greedily; the outputs
+must be identical, and the table shows tokens per verify step (tau) and tokens per second.
 """
 
 from __future__ import annotations
@@ -50,17 +51,30 @@ def run_method(engine: SpecEngine, name: str, prompts: list[list[int]], max_new:
     return MethodRun(name, [r.tokens for r in results], seconds, committed / max(steps, 1))
 
 
+PACKAGED_DRAFTER_DIR = Path(__file__).resolve().parent / "assets" / f"{REAL_TARGET}-dflash"
+
+
 def real_drafter_dir() -> Path:
-    """Where the DFlash drafter of :data:`REAL_TARGET` is expected (none is trained yet)."""
+    """Where a DFlash drafter of :data:`REAL_TARGET` is looked for first (the cache)."""
     return zoo.cache_root() / "drafters" / f"{REAL_TARGET}-dflash"
 
 
+def find_real_drafter() -> Path | None:
+    """The cache's SmolLM2 drafter, else the packaged one (:data:`PACKAGED_DRAFTER_DIR`),
+    else None."""
+    for directory in (real_drafter_dir(), PACKAGED_DRAFTER_DIR):
+        if (directory / "config.json").is_file():
+            return directory
+    return None
+
+
 def find_real_pair() -> tuple[Path, Path] | None:
-    """``(target dir, drafter dir)`` of SmolLM2 when both are in the cache, else None."""
+    """``(target dir, drafter dir)`` of SmolLM2 when the target is in the cache and a drafter
+    is found (:func:`find_real_drafter`), else None."""
     target_dir = zoo.model_dir(REAL_TARGET)
-    drafter_dir = real_drafter_dir()
+    drafter_dir = find_real_drafter()
     target_ok = zoo.is_complete(target_dir, zoo.get_spec(REAL_TARGET))
-    if target_ok and (drafter_dir / "config.json").is_file():
+    if target_ok and drafter_dir is not None:
         return target_dir, drafter_dir
     return None
 
@@ -70,11 +84,13 @@ def real_pair_hint() -> str:
     if zoo.is_complete(zoo.model_dir(REAL_TARGET), zoo.get_spec(REAL_TARGET)):
         return (
             f"SmolLM2 demo: {REAL_TARGET} is fetched, but its DFlash drafter is not trained yet "
-            f"(expected at {real_drafter_dir()}); using the small pair"
+            f"(expected at {real_drafter_dir()}, or {PACKAGED_DRAFTER_DIR}; "
+            "`bash launch/train-smollm2-drafter.sh` trains it); using the small pair"
         )
     return (
         f"SmolLM2 demo: fetch the target with `sglang-tree-spec models fetch {REAL_TARGET}` "
-        "(its DFlash drafter is not trained yet); using the small pair"
+        "(and train its DFlash drafter with `bash launch/train-smollm2-drafter.sh` unless one is "
+        "shipped); using the small pair"
     )
 
 

@@ -220,6 +220,8 @@ def test_demo_uses_smollm2_only_with_its_drafter(tmp_path, monkeypatch):
     from sglang_tree_spec import demo
 
     monkeypatch.setenv(zoo.CACHE_ENV, str(tmp_path))
+    # No packaged drafter either (the shipped one is covered by tests/test_smollm2_drafter.py).
+    monkeypatch.setattr(demo, "PACKAGED_DRAFTER_DIR", tmp_path / "no-packaged-drafter")
     assert demo.find_real_pair() is None
     assert f"sglang-tree-spec models fetch {SMOLLM2}" in demo.real_pair_hint()
     target = zoo.model_dir(SMOLLM2)

@@ -60,6 +60,7 @@ class TrainConfig:
     device: str = "auto"
     save_every: int = 500
     log_every: int = 10
+    stop_at: int | None = None  # stop (and save) at this step; the schedule still spans steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +389,8 @@ def train_dflash(cfg: TrainConfig) -> Path:
     correct = torch.zeros(cfg.block_size, device=device)
     counted = torch.zeros(cfg.block_size, device=device)
     loss_sum, loss_steps = 0.0, 0
-    progress = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter")
+    end = cfg.steps if cfg.stop_at is None else max(start, min(cfg.stop_at, cfg.steps))
+    progress = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train-drafter")
     for step in progress:
         generator = _step_generator(cfg.seed, step)
         batch = sample_batch(sequences, cfg.batch_size, cfg.seq_len, generator)
@@ -411,9 +413,9 @@ def train_dflash(cfg: TrainConfig) -> Path:
             correct.zero_()
             counted.zero_()
             loss_sum, loss_steps = 0.0, 0
-        if done % cfg.save_every == 0 and done != cfg.steps:
+        if done % cfg.save_every == 0 and done != end:
             save_checkpoint(drafter, optimizer, done, cfg)
-    save_checkpoint(drafter, optimizer, max(start, cfg.steps), cfg)
+    save_checkpoint(drafter, optimizer, max(start, end), cfg)
     return out
 
 
@@ -459,6 +461,12 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d["device"].default, help="auto, cpu or cuda[:i]")
     parser.add_argument("--save-every", type=int, default=d["save_every"].default)
     parser.add_argument("--log-every", type=int, default=d["log_every"].default)
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop and save at this step (resume later, e.g. with other batch settings)",
+    )
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
@@ -480,6 +488,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         device=args.device,
         save_every=args.save_every,
         log_every=args.log_every,
+        stop_at=args.stop_at,
     )
     print(train_dflash(cfg))
     return 0

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Train the DFlash drafter (block 16) of SmolLM2-135M-Instruct on CPU, end to end, with the
+# project's recipe: fetch the target -> regenerate training data with the target (its greedy
+# answers to TRAINING prompts only: stdlib code, gsm_symbolic train templates, ShareGPT) ->
+# train the drafter -> save it in bf16 -> print its SHA256.
+#
+#   bash launch/setup-dev.sh && bash launch/train-smollm2-drafter.sh
+#
+# The defaults replay the run that made the shipped drafter
+# (sglang_tree_spec/assets/smollm2-135m-instruct-dflash, see its BUILD.json), on a shared 2-core
+# CPU in about 1.5 hours: regeneration was stopped after 576 + 512 prompts of its two shards
+# (MAX_PROMPTS, per shard), and training ran in STAGES, each `total:batch:anchors:stop` (the
+# cosine schedule spans `total` steps; the run resumes from its checkpoint and stops at `stop`):
+# the batch was halved at step 80 and the total shortened three times to finish in time. For a
+# longer run set e.g. MAX_PROMPTS="0 0" (all prompts) STAGES="3000:4:64:3000".
+#
+# Output: $OUT (default <cache root>/drafters/smollm2-135m-instruct-dflash, where
+# `sglang-tree-spec demo` looks first), work files (data, fp32 checkpoints every 40 steps,
+# train_log.jsonl) in $WORK. Every stage resumes: regeneration skips the records already written,
+# training continues from the last checkpoint. Regeneration runs one single-thread process per
+# shard (one per core); training uses THREADS torch threads.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python=${PYTHON:-.venv/bin/python}
+cli=(.venv/bin/sglang-tree-spec)
+export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything on a shared machine
+cache=$("$python" -c "from sglang_tree_spec.models.zoo import cache_root; print(cache_root())")
+name=smollm2-135m-instruct
+work=${WORK:-$cache/work/$name-dflash}
+out=${OUT:-$cache/drafters/$name-dflash}
+read -r -a max_prompts <<< "${MAX_PROMPTS:-576 512}"
+stages=${STAGES:-"600:4:64:40 430:4:64:80 820:2:32:200 660:2:32:400 560:2:32:560"}
+threads=${THREADS:-2}
+shards=${#max_prompts[@]}
+mkdir -p "$work"
+
+target=$("${cli[@]}" models fetch "$name" | tail -n 1)
+echo "target: $target"
+
+pids=()
+for ((i = 0; i < shards; i++)); do
+  "${cli[@]}" models regen-data --target "$target" --out "$work/data.$i-of-$shards.jsonl" \
+    --code 1100 --math 120 --chat 120 --max-prompt-tokens 384 --max-new-tokens 96 \
+    --batch-size 32 --threads 1 --shard "$i/$shards" --max-prompts "${max_prompts[$i]}" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+cat "$work"/data.*-of-"$shards".jsonl > "$work/data.jsonl"
+"$python" - "$work/data.jsonl" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+from sglang_tree_spec.models.regen_data import META_SUFFIX, summarize
+
+path = Path(sys.argv[1])
+summary = summarize(path)
+Path(str(path) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary))
+EOF
+
+for stage in $stages; do
+  IFS=: read -r steps batch anchors stop <<< "$stage"
+  OMP_NUM_THREADS=$threads "${cli[@]}" models train-drafter --target "$target" \
+    --data "$work/data.jsonl" --out "$work/train" --block-size 16 --num-layers 2 --gamma 7 \
+    --seq-len 512 --lr 2e-3 --save-every 40 --log-every 10 --seed 0 --device cpu \
+    --steps "$steps" --batch-size "$batch" --anchors-per-seq "$anchors" --stop-at "$stop"
+done
+
+"$python" - "$work/train" "$out" <<'EOF'
+import sys
+
+import torch
+
+from sglang_tree_spec.drafters.dflash import DFlashDrafter
+
+DFlashDrafter.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])
+EOF
+cp "$work/train/train_log.jsonl" "$work/data.jsonl.meta.json" "$out/"
+echo "drafter: $out"
+sha256sum "$out/model.safetensors"
