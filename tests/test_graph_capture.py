@@ -61,7 +61,7 @@ def test_decode_step_core_traces_as_one_graph(device_style_builder):
         prefix,
         torch.randint(0, 40, (3, 17)),
         torch.randn(3, 17, 40),
-        torch.rand(3, 17),
+        torch.rand(3, 7, dtype=torch.float64),  # a coin per depth: L + 1 = 7
         torch.zeros(2000, dtype=torch.bool),
     )
     traced = one_graph(step)(*args)
