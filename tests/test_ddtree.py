@@ -105,6 +105,23 @@ def test_both_beam_loops_agree_with_heap(beam_mode):
             assert torch.equal(getattr(fast, field), getattr(heap, field)), field
 
 
+def test_host_loop_skips_what_cannot_enter():
+    """Host tensors take the pruned loop: far fewer beam entries than the fixed-shape loop
+    (fewer depths, narrower blocks), and the same tree field for field."""
+    from sglang_tree_spec.tree import ddtree
+
+    lp, tok = random_marginals(4, 15, 64, vocab=4096, seed=3, sharpness=4.0)
+    pruned = ddtree._depth_beams(lp, 256, True)
+    fixed = ddtree._depth_beams(lp, 256, False)
+    assert fixed.scores.shape[1] == 256 + 14 * 255
+    assert pruned.scores.shape[1] < fixed.scores.shape[1] // 2
+    assert int(pruned.layout.depths.max()) < 14
+    tree = build_ddtree(lp, tok, 256)
+    heap = build_ddtree_reference(lp, tok, 256)
+    for field in FIELDS:
+        assert torch.equal(getattr(tree, field), getattr(heap, field)), field
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_tied_scores_keep_the_optimal_multiset(beam_mode, k):
     """Log-probs on a coarse grid tie often: every budget still gets a well-formed tree whose

@@ -20,7 +20,9 @@ beaten by at least B shallower or better prefixes, so it can never be in the ans
 is the B best of the union of the beams, ranked by (score descending, depth ascending). A child
 never scores above its parent and is deeper, so the answer is prefix closed, and its first N
 nodes by that rank are the optimal N-tree for every N <= B (nesting; the budget controller
-relies on it).
+relies on it). On the host the loop also keeps the B-th best score found so far and skips every
+parent, token rank and depth whose best extension cannot beat it (shapes then follow the
+values; the answer does not).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import torch
 # (log q = -inf) still orders before the padding of a lattice smaller than the budget (-inf).
 LOGPROB_FLOOR = -1.0e30
 
-# Breadth-first sort keys pack (depth, score bits, flat index) into one int64.
-_INDEX_BITS = 25  # flat beam index: budget * depth < 2**25
-_DEPTH_SHIFT = 56  # 0-based depth in bits 56-62; _MAX_DEPTHS marks padding
-_MAX_DEPTHS = 127
-_LOW_32 = (1 << 32) - 1  # the flat index bits of a selection key
+# Node keys pack (depth, negated score bits, flat index) into one int64: the low 56 bits rank
+# the selection (score descending, then shallower), all 63 the breadth-first order.
+_INDEX_BITS = 25  # flat beam index in bits 0-24: budget * depth < 2**25
+_INDEX_MASK = (1 << _INDEX_BITS) - 1
+_DEPTH_SHIFT = 56  # 0-based depth in bits 56-62 (the score's 31 bits sit in 25-55)
+_MAX_DEPTHS = 127  # the depth field of padding: after every node
+_PADDING_KEY = 0x7F800000 << _INDEX_BITS  # selection keys from here up score -inf
 
 
 @dataclass(frozen=True)
@@ -190,123 +194,240 @@ def _candidate_pairs(
     return table[0].to(device), table[1].to(device)
 
 
+class _FlatLayout(NamedTuple):
+    """Constant ``[N]`` int64 tables of the flat beam index ``f`` (cached per block shape).
+
+    Attributes:
+        index: ``f`` itself.
+        depths: 0-based depth of entry ``f``.
+        depth_keys: ``depths << 56``, the depth field of a breadth-first key.
+        parent_slot_starts: where the parent block's slots start in ``parent_slots`` (0 at
+            depth 1).
+        parent_block_starts: flat index of the parent block's first entry; ``N`` at depth 1,
+            a column that maps to node -1 (the root).
+    """
+
+    index: torch.Tensor
+    depths: torch.Tensor
+    depth_keys: torch.Tensor
+    parent_slot_starts: torch.Tensor
+    parent_block_starts: torch.Tensor
+
+
 class _Beams(NamedTuple):
     """Per-depth beams, concatenated depth-major into one flat index ``f`` per request.
 
     Block 0 (depth 1) holds ``B`` entries sorted descending; the block of each depth d >= 2
-    holds the best ``width = min(B - 1, M)`` of that depth's candidate pairs in no particular
-    order (a node of depth >= 2 needs an ancestor, so at most B - 1 of them fit). ``L'``
-    blocks, ``L' <= L``; ``N = B + (L' - 1) * width`` entries.
+    holds at most ``B - 1`` of that depth's candidate pairs, the best of them, in no
+    particular order (a node of depth >= 2 needs an ancestor, so at most B - 1 of them fit).
+    ``L' <= L`` blocks, ``N`` entries in all.
 
     Attributes:
         scores: ``[bs, N]`` path log-probs; -inf where a depth has fewer prefixes than its
             block.
         pair_index: ``[bs, N]`` index into :func:`_pair_table`: ``M + j`` for depth-1 entry j,
             else the entry's (parent, rank) pair.
-        parent_slots: ``[bs, L' * half]``: for block e, the block positions of its ``half``
-            best entries in descending order (the next depth's parents).
-        block_starts: ``[L']`` int64 flat index of each block's first entry.
-        flat_depths: ``[N]`` int64 0-based depth of each flat entry.
-        half: parents per depth, ``max(B // 2, 1)``.
+        parent_slots: ``[bs, S]``: per block, the block positions of its best entries in
+            descending order -- the next depth's parents, in the order of their pair index.
+        layout: the constant tables of the blocks' shape.
     """
 
     scores: torch.Tensor
     pair_index: torch.Tensor
     parent_slots: torch.Tensor
-    block_starts: torch.Tensor
-    flat_depths: torch.Tensor
-    half: int
+    layout: _FlatLayout
 
 
 def _first_block(
     lp: torch.Tensor, budget: int, pair_count: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Depth 1: scores ``[bs, B]`` (lp padded with -inf), pair indices, parent slots."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth 1: scores ``[bs, B]`` (lp padded with -inf, descending) and their pair indices."""
     bs, _, k = lp.shape
-    half = max(budget // 2, 1)
     first = lp.new_full((bs, budget), float("-inf"))
     first[:, :k] = lp[:, 0, :]
-    pairs = torch.arange(budget, device=lp.device).add_(pair_count).expand(bs, budget)
-    slots = torch.arange(half, device=lp.device).expand(bs, half)
-    return first, pairs, slots
+    return first, _arange(pair_count, pair_count + budget, lp.device).expand(bs, budget)
 
 
-class _HostStop:
-    """The early-stop test of :func:`_depth_beams`, on numpy views of host tensors.
+@functools.lru_cache(maxsize=256)
+def _arange(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """A cached ``arange(start, end)`` (int64; never written to)."""
+    return torch.arange(start, end, device=device)
 
-    ``floor[b]`` is a score that at least B prefixes computed so far reach (the worst entry of
-    a full beam). Once every row's best next-depth score is at most its floor, no deeper
-    prefix can enter the answer: those B shallower prefixes win, ties included. Same float32
-    arithmetic as the torch loop, without a torch dispatch per test.
-    """
 
-    def __init__(self, lp: torch.Tensor, first: torch.Tensor) -> None:
-        self.best_token = lp[:, :, 0].numpy()  # [bs, L] rank-0 log-prob of every depth
-        self.floor = first[:, -1].numpy().copy()  # [bs] the B-th entry of the depth-1 beam
-
-    def hopeless(self, parents: torch.Tensor, depth: int) -> bool:
-        """Whether no prefix at 0-based ``depth`` under ``parents`` ``[bs, half]`` can enter."""
-        best_next = parents.numpy()[:, 0] + self.best_token[:, depth]
-        return bool((best_next <= self.floor).all())
-
-    def raise_floor(self, beam: torch.Tensor) -> None:
-        """Account for a full beam ``[bs, B - 1]`` of depth >= 2 (B prefixes with an ancestor)."""
-        np.maximum(self.floor, beam.numpy().min(axis=1), out=self.floor)
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a 1-D ``table`` and a contiguous ``index`` of any shape (one
+    ``index_select``: cheaper on CPU than ``take`` or advanced indexing)."""
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
 
 
 def _depth_beams(lp: torch.Tensor, budget: int, stop_early: bool) -> _Beams:
     """The best prefixes of every depth that can still reach the answer.
 
-    Every block of depth >= 2 is ``width = min(B - 1, M)`` wide.
-
     Args:
         lp: ``[bs, L, k]`` finite log-probs sorted descending, ``k <= budget``.
-        stop_early: skip the remaining depths once no deeper prefix can enter the answer
-            (:class:`_HostStop`). Reading that condition is a host synchronisation, so only
-            host tensors use it; without it the loop has fixed shapes and never synchronises.
+        stop_early: prune by what the prefixes found so far already guarantee
+            (:func:`_host_beams`): reading that is a host synchronisation, so only host tensors
+            use it; otherwise every depth runs with fixed shapes (:func:`_fixed_beams`).
+    """
+    return _host_beams(lp, budget) if stop_early else _fixed_beams(lp, budget)
+
+
+def _fixed_beams(lp: torch.Tensor, budget: int) -> _Beams:
+    """Every depth, fixed shapes, no host synchronisation (CUDA-graph safe).
+
+    Each block of depth >= 2 is ``width = min(B - 1, M)`` wide and gives its best
+    ``half = max(B // 2, 1)`` entries, sorted, as the next depth's parents.
     """
     _, depth_count, k = lp.shape
     pair_parent, pair_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
     width = min(budget - 1, pair_rank.numel())
     half = max(budget // 2, 1)
-    first, first_pairs, first_slots = _first_block(lp, budget, pair_rank.numel())
-    scores, pair_index, parent_slots = [first], [first_pairs], [first_slots]
+    first, first_pairs = _first_block(lp, budget, pair_rank.numel())
+    bs = lp.shape[0]
+    scores, pair_index = [first], [first_pairs]
+    parent_slots = [_arange(0, half, lp.device).expand(bs, half)]
     parents = first[:, :half]  # [bs, half] the next depth's parents, descending
     lp_by_depth = lp.transpose(0, 1).contiguous()  # [L, bs, k]
-    stop = _HostStop(lp, first) if stop_early else None
     for d in range(1, depth_count if width > 0 else 1):
-        if stop is not None and stop.hopeless(parents, d):
-            break
         candidates = parents.index_select(1, pair_parent)  # [bs, M] parent scores
         candidates.add_(lp_by_depth[d].index_select(1, pair_rank))  # + token log-probs
         beam, index = torch.topk(candidates, width, dim=1, sorted=False)  # [bs, width]
         scores.append(beam)  # extensions of -inf padding stay -inf
         pair_index.append(index)
-        if stop is not None and width == budget - 1:
-            stop.raise_floor(beam)  # B - 1 entries plus an ancestor: B prefixes >= the worst
         # Sorting only the half that can be parents is much cheaper than a sorted top-width.
         parents, slots = torch.topk(beam, half, dim=1, sorted=True)
         parent_slots.append(slots)
-    block_starts, flat_depths = _fixed_layout(budget, width, len(scores), lp.device)
+    blocks = len(scores)
+    widths = (budget,) + (width,) * (blocks - 1)
     return _Beams(
         torch.cat(scores, dim=1),
         torch.cat(pair_index, dim=1),
         torch.cat(parent_slots, dim=1),
-        block_starts,
-        flat_depths,
-        half,
+        _layout(widths, (half,) * blocks, lp.device),
     )
 
 
-@functools.cache
-def _fixed_layout(
-    budget: int, width: int, blocks: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_starts`` ``[blocks]`` and ``flat_depths`` ``[N]`` (int64) of the beam blocks."""
-    widths = [budget] + [width] * (blocks - 1)
-    block_starts = [sum(widths[:e]) for e in range(blocks)]
-    flat_depths = [e for e, w in enumerate(widths) for _ in range(w)]
-    return torch.tensor(block_starts, device=device), torch.tensor(flat_depths, device=device)
+class _RunningFloor:
+    """The B best scores of every prefix found so far, per request, on the host.
+
+    ``value[b]``, the B-th best, is a score that B distinct prefixes of request b reach, all
+    shallower than any depth still to come. A deeper prefix scoring ``<= value[b]`` can never
+    enter the answer: those B prefixes win, ties included (ties go to shallower nodes).
+    """
+
+    def __init__(self, first: torch.Tensor) -> None:
+        self.best = first.numpy()  # [bs, B] the depth-1 block (distinct prefixes, -inf pads)
+        self.value = self.best.min(axis=1)  # [bs]
+
+    def add(self, beam: torch.Tensor) -> None:
+        """Merge one depth's beam ``[bs, w]`` (distinct new prefixes) into the B best."""
+        merged = np.concatenate([self.best, beam.numpy()], axis=1)  # [bs, B + w]
+        budget = self.best.shape[1]
+        self.best = np.partition(merged, merged.shape[1] - budget, axis=1)[:, -budget:]
+        self.value = self.best[:, 0]  # the partition's pivot: the B-th best
+
+    def count_above(self, scores: np.ndarray) -> int:
+        """Max over requests of how many of ``scores`` ``[bs, n]`` beat the floor.
+
+        Callers pass float32 sums formed as the torch loop forms them (parent + log-prob), and
+        the survivors are always the best entries of a row (a sum grows with each term).
+        """
+        return int((scores > self.value[:, None]).sum(axis=1).max())
+
+
+def _host_beams(lp: torch.Tensor, budget: int) -> _Beams:
+    """The beams of :func:`_fixed_beams` for host tensors, pruned by a :class:`_RunningFloor`.
+
+    At each depth only the parents and token ranks whose best extension beats the floor take
+    part (both are sorted, so they are prefixes: the first ``n`` parents, the first ``r``
+    ranks), the block keeps at most ``B - 1`` of their candidate pairs, and the loop ends at
+    the first depth where nothing can beat the floor. Shapes depend on the values; the
+    answer does not: only prefixes that can never be chosen are skipped.
+    """
+    bs, depth_count, k = lp.shape
+    pair_count = _candidate_pairs(budget, k, lp.device)[0].numel()
+    half = max(budget // 2, 1)
+    first, first_pairs = _first_block(lp, budget, pair_count)
+    lp_host = lp.numpy()  # [bs, L, k] a view
+    lp_by_depth = lp.transpose(0, 1).contiguous()  # [L, bs, k]
+    floor = _RunningFloor(first)
+
+    def parent_count(beam_host: np.ndarray, depth: int) -> int:
+        """How many of a block's best entries (sorted) can have a child at ``depth``."""
+        if depth >= depth_count or pair_count == 0:
+            return 0
+        return min(half, floor.count_above(beam_host + lp_host[:, depth, :1]))
+
+    parent_total = parent_count(first.numpy(), 1)
+    parents = first[:, :parent_total]  # [bs, n] descending
+    scores, pair_index = [first], [first_pairs]
+    parent_slots = [_arange(0, max(parent_total, 1), lp.device).expand(bs, -1)]
+    widths, halves = [budget], [max(parent_total, 1)]
+    for d in range(1, depth_count):
+        if parent_total == 0:
+            break
+        rank_total = floor.count_above(parents[:, :1].numpy() + lp_host[:, d, :])
+        if rank_total == 0:
+            break
+        pairs, pair_parent, pair_rank = _pair_subset(budget, k, parent_total, rank_total, lp.device)
+        candidates = parents.index_select(1, pair_parent)  # [bs, M'] parent scores
+        candidates.add_(lp_by_depth[d].index_select(1, pair_rank))  # + token log-probs
+        if candidates.shape[1] > budget - 1:
+            beam, index = torch.topk(candidates, budget - 1, dim=1, sorted=False)
+            scores.append(beam)
+            pair_index.append(_lookup(pairs, index))
+        else:
+            scores.append(candidates)
+            pair_index.append(pairs.expand(bs, -1))
+        beam = scores[-1]
+        widths.append(beam.shape[1])
+        floor.add(beam)
+        # The next parents: the best entries of the beam, as many as any row can use.
+        parent_total = min(beam.shape[1], parent_count(beam.numpy(), d + 1))
+        if parent_total > 0:
+            parents, slots = torch.topk(beam, parent_total, dim=1, sorted=True)
+            parent_slots.append(slots)
+            halves.append(parent_total)
+    return _Beams(
+        torch.cat(scores, dim=1),
+        torch.cat(pair_index, dim=1),
+        torch.cat(parent_slots, dim=1),
+        _layout(tuple(widths), tuple(halves), lp.device),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair_subset(
+    budget: int, k: int, parent_total: int, rank_total: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidate pairs with parent ``< parent_total`` and rank ``< rank_total``.
+
+    Returns:
+        ``(pair_index, parent, rank)``, int64 ``[M']``: the pairs' indices in
+        :func:`_candidate_pairs` and their parent positions and token ranks.
+    """
+    pair_parent, pair_rank = _candidate_pairs(budget, k, device)
+    index = torch.nonzero((pair_parent < parent_total) & (pair_rank < rank_total)).flatten()
+    return index, pair_parent[index], pair_rank[index]
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(widths: tuple[int, ...], halves: tuple[int, ...], device: torch.device) -> _FlatLayout:
+    """The :class:`_FlatLayout` of blocks of ``widths[e]`` entries and ``halves[e]`` parent
+    slots (blocks past ``halves`` have no children)."""
+    total = sum(widths)
+    block_starts = [sum(widths[:e]) for e in range(len(widths))]
+    slot_starts = [sum(halves[:e]) for e in range(len(halves))]
+    depths = [e for e, w in enumerate(widths) for _ in range(w)]
+    table = torch.tensor(
+        [
+            [f, e, e << _DEPTH_SHIFT]
+            + ([slot_starts[e - 1], block_starts[e - 1]] if e > 0 else [0, total])
+            for f, e in enumerate(depths)
+        ],
+        dtype=torch.long,
+    )
+    return _FlatLayout(*table.T.contiguous().to(device))
 
 
 @functools.cache
@@ -335,29 +456,20 @@ def _negated_bits(scores: torch.Tensor) -> torch.Tensor:
     return (0.0 - scores).view(torch.int32).to(torch.int64)
 
 
-def _best_of(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """``[bs, budget]`` flat indices of the best entries of ``scores`` ``[bs, N]``, any order.
+def _chosen_in_breadth_first_order(beams: _Beams, budget: int) -> torch.Tensor:
+    """``[bs, B]`` flat indices of the answer, breadth-first, padding last.
 
-    Best by (score desc, flat index asc): the index grows with depth, so ties go to shallower
-    nodes. Keys are unique int64s, the score bits above the index's low 32 bits.
+    The answer is the B best entries by (score descending, flat index ascending): the index
+    grows with depth, so ties go to shallower nodes. One top-k of the unique selection keys
+    ``score bits << 25 | f`` picks them; adding the depth field above makes the same key
+    sort them by (depth, score descending, f), and a -inf score (padding) takes the depth
+    field of :data:`_MAX_DEPTHS` to sort last.
     """
-    index = torch.arange(scores.shape[1], device=scores.device)
-    keys = (_negated_bits(scores) << 32) | index
-    return torch.topk(keys, budget, dim=1, largest=False, sorted=False).values & _LOW_32
-
-
-def _breadth_first(
-    best: torch.Tensor, scores: torch.Tensor, flat_depths: torch.Tensor
-) -> torch.Tensor:
-    """``best`` ``[bs, B]`` flat indices re-ordered by (depth, score desc, index), padding last."""
-    bfs_keys = (
-        (flat_depths.take(best) << _DEPTH_SHIFT)
-        | (_negated_bits(scores.gather(1, best)) << _INDEX_BITS)
-        | best
-    )
-    is_padding = scores.gather(1, best) == float("-inf")
-    bfs_keys = torch.where(is_padding, best | (_MAX_DEPTHS << _DEPTH_SHIFT), bfs_keys)
-    return bfs_keys.sort(dim=1).values & ((1 << _INDEX_BITS) - 1)
+    keys = (_negated_bits(beams.scores) << _INDEX_BITS) | beams.layout.index  # [bs, N]
+    chosen = torch.topk(keys, budget, dim=1, largest=False, sorted=False).values  # [bs, B]
+    depth_keys = _lookup(beams.layout.depth_keys, chosen & _INDEX_MASK)
+    depth_keys = torch.where(chosen >= _PADDING_KEY, _MAX_DEPTHS << _DEPTH_SHIFT, depth_keys)
+    return (chosen | depth_keys).sort(dim=1).values & _INDEX_MASK
 
 
 def build_ddtree(
@@ -392,25 +504,25 @@ def build_ddtree(
 
     stop_early = lp.device.type == "cpu"  # host tensors: reading a flag costs nothing
     beams = _depth_beams(lp, budget, stop_early)
-    best = _best_of(beams.scores, budget)  # [bs, B] flat indices, any order
-    chosen = _breadth_first(best, beams.scores, beams.flat_depths)  # [bs, B] flat, BFS order
-    depth0 = beams.flat_depths.take(chosen)  # [bs, B] 0-based depth
+    layout = beams.layout
+    chosen = _chosen_in_breadth_first_order(beams, budget)  # [bs, B] flat indices
+    depth0 = _lookup(layout.depths, chosen)  # [bs, B] 0-based depth
 
     # Decode each chosen entry: its token rank, and its parent's sorted slot one depth up.
     parent_rank, rank = _pair_table(budget, k, device)
     pair = beams.pair_index.gather(1, chosen)
-    ranks = rank.take(pair)
-    tokens = topk_tokens[..., :k].to(torch.long).flatten(1).gather(1, depth0 * k + ranks)
+    tokens = topk_tokens[..., :k].to(torch.long).flatten(1)
+    tokens = tokens.gather(1, depth0 * k + _lookup(rank, pair))
     logprobs = beams.scores.gather(1, chosen)
     valid = logprobs > float("-inf")
 
-    # Parent: block e = depth0 - 1 holds it at position parent_slots[e * half + parent rank].
-    parent_block = (depth0 - 1).clamp_min(0)
-    slot = beams.parent_slots.gather(1, parent_block * beams.half + parent_rank.take(pair))
-    node_of_flat = torch.full_like(beams.pair_index, -1)
-    node_of_flat.scatter_(1, chosen, torch.arange(budget, device=device).expand(bs, -1))
-    parents = node_of_flat.gather(1, beams.block_starts.take(parent_block) + slot)
-    parents = torch.where(depth0 == 0, -1, parents)
+    # The parent's flat index, then its node index (depth-1 nodes land on the -1 column).
+    slot = beams.parent_slots.gather(
+        1, _lookup(layout.parent_slot_starts, chosen) + _lookup(parent_rank, pair)
+    )
+    node_of_flat = beams.scores.new_full((bs, beams.scores.shape[1] + 1), -1, dtype=torch.long)
+    node_of_flat.scatter_(1, chosen, _arange(0, budget, device).expand(bs, budget))
+    parents = node_of_flat.gather(1, _lookup(layout.parent_block_starts, chosen) + slot)
 
     return DraftTree(
         tokens=torch.where(valid, tokens, 0),
