@@ -1,6 +1,7 @@
-"""Benchmark: acceptance (tau) and step time of DDTree against both Graft policies, per domain.
+"""Benchmark: acceptance (tau) and speed of DDTree against both Graft policies, per domain.
 
-Domains, all built from the pair's HELD-OUT stdlib files only (never from training files):
+Two kinds of pair. The committed small pair (the default, ``--pair-dir``) has no chat template;
+its domains are built from its HELD-OUT stdlib files only (never from training files):
 
 * ``code`` -- function prompts cut after the signature and docstring
   (:func:`~sglang_tree_spec.models.small_pair.heldout_prompts`);
@@ -8,24 +9,41 @@ Domains, all built from the pair's HELD-OUT stdlib files only (never from traini
   under a new name (``name`` -> ``name_v2``), cut a third of the way into its body, so that the
   continuation can repeat (or edit) code that is in the prompt.
 
+A chat target (``--target`` with ``--drafter``, e.g. SmolLM2-135M-Instruct and its DFlash
+drafter) takes the held-out sets of :mod:`sglang_tree_spec.models.datasets` in its chat
+template, and stops at its EOS as a server does:
+
+* ``code`` (HumanEval), ``math`` (gsm_symbolic eval templates), ``chat`` (MT-Bench turn 1);
+* ``chat-2turn`` -- multi-turn chat: MT-Bench's second user turn, after the target's own
+  greedy answer to the first (``--first-turn-tokens``), so the context holds text the
+  answer may come back to.
+
 For each budget the stage thresholds are calibrated on DDTree steps over TRAINING prompts
-(function prompts of the pair's training split), once for all domains. Then, per domain,
-``ddtree``, ``ddtree-graft-stage`` (calibrated) and ``ddtree-graft-unified`` decode the same
-prompts greedily, each with a fresh engine: its successor table starts empty, is warmed by each
-prompt's bigrams and learns online over the prompts in order (batches of ``--batch-size``), as
-a server would; unified's edge probabilities start from their prior and learn online too. The
-three outputs are checked to be token-for-token equal.
+(the small pair's training functions; for a chat target, training items of code, math and
+chat in equal parts), once for all domains. Then, per domain, ``chain`` (the DFlash
+drafter's single chain, the baseline), ``ddtree``, ``ddtree-graft-stage`` (calibrated) and
+``ddtree-graft-unified`` decode the same prompts greedily, each with a fresh engine: its
+successor table starts empty, is warmed by each prompt's bigrams and learns online over the
+prompts in order (batches of ``--batch-size``), as a server would; unified's edge
+probabilities start from their prior and learn online too. The outputs are checked to be
+token-for-token equal.
 
 Reported per (budget, domain, method): tau = tokens committed per target forward (bonus
-included), pooled over every step of every request; ``step_ms`` = mean wall time of one batched
-decode step (draft, tree, graft, verify, accept), ``draft_ms`` = its draft + tree + graft part,
-and the same in process CPU time (``*_cpu_ms``, all threads; steadier on a shared machine);
-and a paired bootstrap over prompts (95% interval) of each policy's tau relative to ddtree and
-of unified's relative to stage -- decoding is deterministic, so the noise that matters is the
+included), pooled over every step of every request; ``tok_s`` = generated tokens per second
+of the method's ``generate`` calls and ``speedup_vs_chain`` its ratio to the chain's (the
+methods take turns batch by batch, so that a change of machine load hits all alike);
+``step_ms`` = mean wall time of one batched decode step (draft, tree, graft, verify,
+accept), ``draft_ms`` = its draft + tree + graft part, and the same in process CPU time
+(``*_cpu_ms``, all threads; steadier on a shared machine); and a paired bootstrap over
+prompts (95% interval) of each policy's tau relative to ddtree and to the chain, and of
+unified's relative to stage -- decoding is deterministic, so the noise that matters is the
 choice of prompts. ``prompt_bigram_coverage`` says how much each domain's continuation reuses
 the prompt (fraction of generated token bigrams already in the prompt).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/graft_acceptance.py   # writes the CPU results
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/graft_acceptance.py   # the small pair
+    python benchmarks/graft_acceptance.py \
+        --target ~/.cache/sglang-tree-spec/models/smollm2-135m-instruct \
+        --drafter ~/.cache/sglang-tree-spec/drafters/smollm2-135m-instruct-dflash
 """
 
 from __future__ import annotations
@@ -55,8 +73,14 @@ from sglang_tree_spec.models.small_pair import (
     heldout_prompts,
 )
 
-METHODS = ("ddtree", "ddtree-graft-stage", "ddtree-graft-unified")
-SHORT = {"ddtree": "ddtree", "ddtree-graft-stage": "stage", "ddtree-graft-unified": "unified"}
+METHODS = ("chain", "ddtree", "ddtree-graft-stage", "ddtree-graft-unified")
+SHORT = {
+    "chain": "chain",
+    "ddtree": "ddtree",
+    "ddtree-graft-stage": "stage",
+    "ddtree-graft-unified": "unified",
+}
+CHAT_DOMAINS = ("code", "math", "chat", "chat-2turn")
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_OUT = RESULTS / "graft_acceptance_cpu.json"
 
@@ -110,14 +134,46 @@ DOMAINS: dict[str, Callable[[int], list[str]]] = {
 }
 
 
+def chat_domain_prompts(
+    domain: str,
+    tokenizer,
+    count: int,
+    first_answers: Callable[[list[list[int]]], list[str]],
+) -> list[list[int]]:
+    """``count`` held-out prompts of a chat ``domain`` in the target's chat template.
+
+    ``chat-2turn`` asks MT-Bench's second question after ``first_answers`` (the target's own
+    replies to the first questions, given their prompts).
+    """
+    from sglang_tree_spec.models.datasets import heldout, prompt_ids
+
+    if domain != "chat-2turn":
+        return [prompt_ids(tokenizer, item) for item in heldout(domain, count)]
+    items = heldout("chat", count)
+    replies = first_answers([prompt_ids(tokenizer, item) for item in items])
+    return [
+        prompt_ids(tokenizer, item, turn=1, replies=[reply])
+        for item, reply in zip(items, replies, strict=True)
+    ]
+
+
+def chat_training_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` training prompts of a chat target: code, math and chat items in turn."""
+    from sglang_tree_spec.models.datasets import prompt_ids, training_items
+
+    per_domain = -(-count // 3)
+    items = [training_items(d, per_domain) for d in ("code", "math", "chat")]
+    interleaved = [group[i] for i in range(per_domain) for group in items]
+    return [prompt_ids(tokenizer, item) for item in interleaved[:count]]
+
+
 # ------------------------------------------------------------------------------------ running
 
 
-def run(engine: SpecEngine, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
-    """Greedy decoding of ``prompts`` in batches: pooled tau, per-prompt counts, step times."""
-    step_s: list[tuple[float, float]] = []  # (wall, process CPU) seconds per batched step
-    draft_s: list[tuple[float, float]] = []
-    for name, log in (("_step", step_s), ("_draft_tree", draft_s)):
+def _timed_steps(engine: SpecEngine) -> dict[str, list[tuple[float, float]]]:
+    """Log (wall, process CPU) seconds of every batched step and its draft part."""
+    logs: dict[str, list[tuple[float, float]]] = {"step": [], "draft": []}
+    for name, log in (("_step", logs["step"]), ("_draft_tree", logs["draft"])):
         inner = getattr(engine, name)
 
         def timed(*args, _inner=inner, _log=log, **kwargs):
@@ -127,34 +183,65 @@ def run(engine: SpecEngine, prompts: list[list[int]], new_tokens: int, batch: in
             return out
 
         setattr(engine, name, timed)  # instance attribute: this engine only
-    steps, committed, outputs = [], [], []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        for result in engine.generate(prompts[i : i + batch], new_tokens, stop_token_ids=[]):
-            stats = result.stats
-            steps.append(stats.steps)
-            committed.append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
-            outputs.append(result.tokens)
-    wall = time.perf_counter() - start
-    return {
-        "tau": round(sum(committed) / sum(steps), 4),
-        "steps": sum(steps),
-        "batch_steps": len(step_s),
-        "step_ms": round(1e3 * sum(w for w, _ in step_s) / len(step_s), 2),
-        "draft_ms": round(1e3 * sum(w for w, _ in draft_s) / len(draft_s), 2),
-        "step_cpu_ms": round(1e3 * sum(c for _, c in step_s) / len(step_s), 2),
-        "draft_cpu_ms": round(1e3 * sum(c for _, c in draft_s) / len(draft_s), 2),
-        "wall_s": round(wall, 2),
-        "per_prompt_steps": steps,
-        "per_prompt_committed": committed,
-        "_outputs": outputs,
+    return logs
+
+
+def run(
+    engines: dict[str, SpecEngine],
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch: int,
+    stops: list[int] | None,
+) -> dict[str, dict]:
+    """Greedy decoding of ``prompts`` by every engine, taking turns batch by batch: pooled
+    tau, tokens per second, per-prompt counts and step times per engine."""
+    logs = {label: _timed_steps(engine) for label, engine in engines.items()}
+    tallies = {
+        label: {"steps": [], "committed": [], "outputs": [], "wall": 0.0} for label in engines
     }
+    for i in range(0, len(prompts), batch):
+        for label, engine in engines.items():
+            tally = tallies[label]
+            start = time.perf_counter()
+            results = engine.generate(prompts[i : i + batch], new_tokens, stop_token_ids=stops)
+            tally["wall"] += time.perf_counter() - start
+            for result in results:
+                stats = result.stats
+                tally["steps"].append(stats.steps)
+                tally["committed"].append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
+                tally["outputs"].append(result.tokens)
+    out = {}
+    for label, tally in tallies.items():
+        step_s, draft_s = logs[label]["step"], logs[label]["draft"]
+        tokens = sum(len(o) for o in tally["outputs"])
+        out[label] = {
+            "tau": round(sum(tally["committed"]) / sum(tally["steps"]), 4),
+            "steps": sum(tally["steps"]),
+            "batch_steps": len(step_s),
+            "tokens": tokens,
+            "tok_s": round(tokens / tally["wall"], 2),
+            "step_ms": round(1e3 * sum(w for w, _ in step_s) / len(step_s), 2),
+            "draft_ms": round(1e3 * sum(w for w, _ in draft_s) / len(draft_s), 2),
+            "step_cpu_ms": round(1e3 * sum(c for _, c in step_s) / len(step_s), 2),
+            "draft_cpu_ms": round(1e3 * sum(c for _, c in draft_s) / len(draft_s), 2),
+            "wall_s": round(tally["wall"], 2),
+            "per_prompt_steps": tally["steps"],
+            "per_prompt_committed": tally["committed"],
+            "_outputs": tally["outputs"],
+        }
+    return out
 
 
-def calibrate(engine: SpecEngine, prompts: list[list[int]], new_tokens: int, batch: int):
+def calibrate(
+    engine: SpecEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch: int,
+    stops: list[int] | None,
+):
     """Stage thresholds from the engine's DDTree steps on ``prompts``."""
     engine.confidence_log = []
-    run(engine, prompts, new_tokens, batch)
+    run({"ddtree": engine}, prompts, new_tokens, batch, stops)
     confidence = torch.cat([c for c, _ in engine.confidence_log])
     accept_len = torch.cat([a for _, a in engine.confidence_log])
     engine.confidence_log = None
@@ -219,48 +306,93 @@ def plot(record: dict, path: Path) -> None:
     for ax in axes:
         ax.set_ylim(1.0, 1.0 + (top - 1.0) * 1.25)
     axes[0].legend(loc="upper left", ncol=len(METHODS))
-    fig.suptitle("Graft on DDTree, committed small pair (CPU, greedy)")
+    fig.suptitle(f"Graft on DDTree, {record['pair']} ({record['device']}, greedy)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
+def load_pair(args: argparse.Namespace, device: torch.device):
+    """``(target, tokenizer, drafter, label, build_sha256)`` of the small pair or a chat pair."""
+    if args.target is None:
+        target, tokenizer = load_target(args.pair_dir / "target", device)
+        drafter = load_drafter(args.pair_dir / "drafter", device, torch.float32)
+        build = hashlib.sha256((args.pair_dir / "BUILD.json").read_bytes()).hexdigest()
+        return target, tokenizer, drafter, "committed small pair", build
+    if args.drafter is None:
+        raise SystemExit("--target needs --drafter (its DFlash drafter directory)")
+    target, tokenizer = load_target(args.target, device)
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"{args.target} has no chat template: use the small pair's domains")
+    drafter = load_drafter(args.drafter, device, torch.float32)
+    weights = args.drafter / "model.safetensors"
+    return (
+        target,
+        tokenizer,
+        drafter,
+        args.target.name,
+        hashlib.sha256(weights.read_bytes()).hexdigest(),
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair-dir", type=Path, default=SMALL_PAIR_DIR)
+    parser.add_argument("--target", type=Path, help="a chat target (instead of the small pair)")
+    parser.add_argument("--drafter", type=Path, help="the chat target's DFlash drafter")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
+    parser.add_argument("--domains", nargs="+", choices=sorted({*DOMAINS, *CHAT_DOMAINS}))
     parser.add_argument("--prompts", type=int, default=48, help="held-out prompts per domain")
     parser.add_argument("--train-prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--first-turn-tokens", type=int, default=128, help="chat-2turn only")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None, help="default: results/graft_...")
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    target, tokenizer = load_target(args.pair_dir / "target", device)
-    drafter = load_drafter(args.pair_dir / "drafter", device, torch.float32)
-    encode = lambda texts: [tokenizer(t)["input_ids"] for t in texts]  # noqa: E731
-    domains = {name: encode(DOMAINS[name](args.prompts)) for name in args.domains}
+    target, tokenizer, drafter, pair, build_sha256 = load_pair(args, device)
+    chat = args.target is not None
+    names = args.domains or list(CHAT_DOMAINS if chat else DOMAINS)
+    allowed = CHAT_DOMAINS if chat else tuple(DOMAINS)
+    if unknown := [n for n in names if n not in allowed]:
+        parser.error(f"domains {unknown} are not for this pair; choose from {list(allowed)}")
+    stops = None if chat else []  # a chat target stops at its EOS, as a server does
+    out = args.out or (
+        RESULTS / f"graft_acceptance_cpu_{args.target.name}.json" if chat else DEFAULT_OUT
+    )
+    load_before = os.getloadavg()
+
+    def first_answers(prompts: list[list[int]]) -> list[str]:
+        engine = SpecEngine(target, drafter, "ddtree", budget=16)
+        results = engine.generate(prompts, args.first_turn_tokens, stop_token_ids=None)
+        return [tokenizer.decode(r.tokens, skip_special_tokens=True) for r in results]
+
+    if chat:
+        domains = {n: chat_domain_prompts(n, tokenizer, args.prompts, first_answers) for n in names}
+        train = chat_training_prompts(tokenizer, args.train_prompts)
+    else:
+        encode = lambda texts: [tokenizer(t)["input_ids"] for t in texts]  # noqa: E731
+        domains = {n: encode(DOMAINS[n](args.prompts)) for n in names}
+        train = encode(training_prompts(args.train_prompts))
     limit = target.config.max_position_embeddings - args.new_tokens - drafter.config.block_size
     for name, prompts in domains.items():
         if max(len(p) for p in prompts) > limit:
             raise ValueError(f"a {name} prompt does not fit the target's {limit} positions")
-    train = encode(training_prompts(args.train_prompts))
-    build = (args.pair_dir / "BUILD.json").read_bytes()
-    load_before = os.getloadavg()
 
     results = []
     coverage: dict[str, float] = {}
     for budget in args.budgets:
         calibrator = SpecEngine(target, drafter, "ddtree", budget=budget, stage=StageConfig())
-        stage, calibration_steps = calibrate(calibrator, train, args.new_tokens, args.batch_size)
+        stage, calibration_steps = calibrate(
+            calibrator, train, args.new_tokens, args.batch_size, stops
+        )
         row: dict = {
             "budget": budget,
             "stage": {
-                "depths": stage.depths,
+                "depths": list(stage.depths),
                 "thresholds": [round(t, 5) for t in stage.thresholds],
                 "keep_fractions": [round(f, 4) for f in stage.keep_fractions],
                 "calibration_steps": calibration_steps,
@@ -268,13 +400,17 @@ def main() -> None:
             "domains": {},
         }
         for name, prompts in domains.items():
-            cell = {}
+            engines = {
+                method: SpecEngine(target, drafter, method, budget=budget, stage=stage)
+                for method in METHODS
+            }
+            cell = run(engines, prompts, args.new_tokens, args.batch_size, stops)
             for method in METHODS:
-                engine = SpecEngine(target, drafter, method, budget=budget, stage=stage)
-                cell[method] = run(engine, prompts, args.new_tokens, args.batch_size)
                 r = cell[method]
+                r["speedup_vs_chain"] = round(r["tok_s"] / cell["chain"]["tok_s"], 3)
                 print(
                     f"B={budget:3d} {name:10s} {method:22s} tau={r['tau']:.3f} "
+                    f"{r['tok_s']:.1f} tok/s ({r['speedup_vs_chain']:.2f}x chain) "
                     f"step={r['step_ms']:.1f} ms (draft+tree+graft {r['draft_ms']:.1f}), "
                     f"CPU {r['step_cpu_ms']:.1f} ms ({r['draft_cpu_ms']:.1f})",
                     flush=True,
@@ -283,11 +419,13 @@ def main() -> None:
             if any(o != outputs[0] for o in outputs):
                 raise AssertionError(f"greedy outputs differ between methods on {name}")
             coverage[name] = prompt_bigram_coverage(prompts, outputs[0])
-            ddtree, stage_r, unified = (cell[m] for m in METHODS)
+            chain, ddtree, stage_r, unified = (cell[m] for m in METHODS)
             cell["tau_ratio_95ci"] = {
+                "ddtree/chain": bootstrap_ratio(ddtree, chain),
                 "stage/ddtree": bootstrap_ratio(stage_r, ddtree),
                 "unified/ddtree": bootstrap_ratio(unified, ddtree),
                 "unified/stage": bootstrap_ratio(unified, stage_r),
+                "unified/chain": bootstrap_ratio(unified, chain),
             }
             row["domains"][name] = cell
         results.append(row)
@@ -295,9 +433,16 @@ def main() -> None:
     omp = os.environ.get("OMP_WAIT_POLICY")
     env = [f"OMP_WAIT_POLICY={omp}"] if omp else []
     record = {
-        "command": " ".join([*env, os.path.relpath(sys.executable), *sys.argv]),
-        "pair": str(args.pair_dir),
-        "pair_build_sha256": hashlib.sha256(build).hexdigest(),
+        "command": " ".join(
+            [
+                *env,
+                "python",
+                "benchmarks/graft_acceptance.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "pair": pair,
+        "drafter_sha256" if chat else "pair_build_sha256": build_sha256,
         "device": str(device),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -308,6 +453,8 @@ def main() -> None:
         "prompts_per_domain": args.prompts,
         "train_prompts": len(train),
         "new_tokens": args.new_tokens,
+        "first_turn_tokens": args.first_turn_tokens if "chat-2turn" in domains else None,
+        "stops_at_eos": chat,
         "batch_size": args.batch_size,
         "greedy": True,
         "domains": {
@@ -316,11 +463,12 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    plot_path = args.plot or args.out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    plot_path = args.plot or out.with_suffix(".png")
     plot(record, plot_path)
-    print(f"wrote {args.out} and {plot_path}")
+    print(f"wrote {out} and {plot_path}")
+    return record
 
 
 if __name__ == "__main__":

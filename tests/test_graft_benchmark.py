@@ -1,0 +1,52 @@
+"""benchmarks/graft_acceptance.py on the committed small pair, tiny: every method, exactness,
+the chain baseline and the JSON / plot it writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "graft_acceptance.py"
+
+
+@pytest.fixture(scope="module")
+def graft_benchmark():
+    spec = importlib.util.spec_from_file_location("graft_benchmark", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "graft.json"
+    argv = ["--prompts", "3", "--new-tokens", "8", "--budgets", "8", "--train-prompts", "2"]
+    argv += ["--batch-size", "2", "--domains", "copy-edit", "--out", str(out)]
+    record = graft_benchmark.main(argv)  # raises if any method's greedy output differs
+
+    assert json.loads(out.read_text()) == record
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert record["command"] == "python benchmarks/graft_acceptance.py " + " ".join(argv)
+    assert record["pair"] == "committed small pair" and not record["stops_at_eos"]
+    [row] = record["results"]
+    cell = row["domains"]["copy-edit"]
+    assert set(cell) == {*graft_benchmark.METHODS, "tau_ratio_95ci"}
+    for method in graft_benchmark.METHODS:
+        result = cell[method]
+        assert len(result["per_prompt_steps"]) == 3
+        assert result["tokens"] == 3 * 8  # no stop token for the small pair
+        assert result["tau"] == pytest.approx(
+            sum(result["per_prompt_committed"]) / sum(result["per_prompt_steps"]), abs=1e-4
+        )
+        assert result["tok_s"] > 0
+    assert cell["chain"]["speedup_vs_chain"] == 1.0
+    for low, high in cell["tau_ratio_95ci"].values():
+        assert 0 < low <= high
+
+
+def test_chat_domains_need_a_chat_target(graft_benchmark):
+    with pytest.raises(SystemExit):
+        graft_benchmark.main(["--domains", "chat-2turn", "--prompts", "1"])
