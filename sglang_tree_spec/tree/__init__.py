@@ -7,7 +7,6 @@ SGLang or transformers imports.
 
 from sglang_tree_spec.tree.accept import (
     AcceptResult,
-    SampledAcceptResult,
     counter_uniforms,
     greedy_accept,
     sample_accept,
@@ -33,7 +32,6 @@ from sglang_tree_spec.tree.vocab_parallel import vocab_parallel_topk
 __all__ = [
     "AcceptResult",
     "DraftTree",
-    "SampledAcceptResult",
     "VerifyLayout",
     "ancestor_mask",
     "build_chain",

@@ -51,21 +51,6 @@ class AcceptResult:
         return _deepest_slot(self.accept_len, self.accepted_slots)
 
 
-@dataclass(frozen=True)
-class SampledAcceptResult(AcceptResult):
-    """:class:`AcceptResult` plus the probabilities the sampled walk used.
-
-    Attributes:
-        node_accept_prob: ``[bs, B]`` float64 probability that node ``i`` is accepted given
-            that its parent was: the target's probability of its token there.
-        bonus_probs: ``[bs, V]`` the law of the bonus given where the walk stopped: the
-            target's distribution at the deepest accepted slot without its children's tokens.
-    """
-
-    node_accept_prob: torch.Tensor
-    bonus_probs: torch.Tensor
-
-
 def _accepted_path(tree: DraftTree, passed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Close a per-node decision over ancestors and read off the accepted path.
 
@@ -235,7 +220,7 @@ def sample_accept(
     min_p: torch.Tensor | float = 0.0,
     uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-) -> SampledAcceptResult:
+) -> AcceptResult:
     """Lossless acceptance under the target's sampling rule: the target samples, the tree matches.
 
     Every window slot draws the target's token there by inverse CDF (token-id order) with the
@@ -255,7 +240,7 @@ def sample_accept(
             ``tree.max_depth``). Drawn from ``generator`` when omitted.
 
     Returns:
-        A :class:`SampledAcceptResult`.
+        An :class:`AcceptResult`.
     """
     bs, budget, depth_max = tree.batch_size, tree.budget, tree.max_depth
     if target_logits.dim() != 3 or target_logits.shape[:2] != (bs, budget + 1):
@@ -272,37 +257,10 @@ def sample_accept(
             f"uniforms must be [bs, max_depth + 1] = {(bs, depth_max + 1)}, "
             f"got {tuple(uniforms.shape)}"
         )
-    vocab = target_logits.shape[2]
     probs = target_probs(target_logits, temperature, top_k, top_p, min_p)  # [bs, D, V]
     coins = uniforms.to(tree.device).gather(1, slot_depths(tree))  # [bs, D]
     drawn = _sample_from(probs.flatten(0, 1), coins.flatten()).view(bs, budget + 1)
-    result = greedy_accept(tree, drawn)
-    node_prob = probs.flatten(1).gather(1, tree.parent_slots() * vocab + tree.tokens).double()
-    return SampledAcceptResult(
-        accept_len=result.accept_len,
-        bonus=result.bonus,
-        accepted_slots=result.accepted_slots,
-        committed_tokens=result.committed_tokens,
-        node_accept_prob=torch.where(tree.valid, node_prob, 0.0),
-        bonus_probs=_bonus_residual(tree, probs, result.deepest_slot),
-    )
-
-
-def _bonus_residual(tree: DraftTree, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """``[bs, V]`` target distribution at ``slot`` with its children's tokens removed.
-
-    The walk stopped at ``slot``, so every child of it was tried and rejected.
-    """
-    bs, _, vocab = probs.shape
-    base = probs.gather(1, slot.view(bs, 1, 1).expand(bs, 1, vocab)).squeeze(1)  # [bs, V]
-    child = tree.valid & (tree.parent_slots() == slot.unsqueeze(1))
-    drop = torch.zeros(bs, vocab + 1, dtype=torch.bool, device=probs.device)
-    drop.scatter_(1, torch.where(child, tree.tokens, vocab), True)
-    residual = torch.where(drop[:, :vocab], 0.0, base)
-    total = residual.sum(dim=1, keepdim=True)
-    # A zero residual only arises from rounding (the children held all the mass yet were
-    # rejected); fall back to the slot's distribution rather than divide by zero.
-    return torch.where(total > 0, residual / total.clamp_min(1e-30), base)
+    return greedy_accept(tree, drawn)
 
 
 def _as_int64(value: int) -> int:

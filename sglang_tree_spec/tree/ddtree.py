@@ -228,7 +228,7 @@ class _Beams(NamedTuple):
         pair_index: ``[bs, N]`` index into :func:`_pair_table`: ``M + j`` for depth-1 entry j,
             else the entry's (parent, rank) pair.
         parent_slots: ``[bs, S]``: per block, the block positions of its best entries in
-            descending order -- the next depth's parents, in the order of their pair index.
+            descending order: the next depth's parent positions 0, 1, ... of its pairs.
         layout: the constant tables of the blocks' shape.
     """
 
