@@ -382,8 +382,43 @@ def main(argv: list[str] | None = None) -> dict:
         if max(len(p) for p in prompts) > limit:
             raise ValueError(f"a {name} prompt does not fit the target's {limit} positions")
 
-    results = []
+    results: list[dict] = []
     coverage: dict[str, float] = {}
+
+    def save(complete: bool) -> dict:
+        """Write the record so far (after every domain: a long run keeps what it measured)."""
+        omp = os.environ.get("OMP_WAIT_POLICY")
+        env = [f"OMP_WAIT_POLICY={omp}"] if omp else []
+        command = [*env, "python", "benchmarks/graft_acceptance.py"]
+        record = {
+            "command": " ".join([*command, *(sys.argv[1:] if argv is None else argv)]),
+            "complete": complete,
+            "pair": pair,
+            "drafter_sha256" if chat else "pair_build_sha256": build_sha256,
+            "device": str(device),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": omp,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+            "prompts_per_domain": args.prompts,
+            "train_prompts": len(train),
+            "new_tokens": args.new_tokens,
+            "first_turn_tokens": args.first_turn_tokens if "chat-2turn" in domains else None,
+            "stops_at_eos": chat,
+            "batch_size": args.batch_size,
+            "greedy": True,
+            "domains": {
+                name: {"prompts": len(domains[name]), "prompt_bigram_coverage": coverage[name]}
+                for name in coverage
+            },
+            "results": results,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        return record
+
     for budget in args.budgets:
         calibrator = SpecEngine(target, drafter, "ddtree", budget=budget, stage=StageConfig())
         stage, calibration_steps = calibrate(
@@ -428,43 +463,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "unified/chain": bootstrap_ratio(unified, chain),
             }
             row["domains"][name] = cell
-        results.append(row)
+            if not results or results[-1] is not row:
+                results.append(row)
+            save(complete=False)
 
-    omp = os.environ.get("OMP_WAIT_POLICY")
-    env = [f"OMP_WAIT_POLICY={omp}"] if omp else []
-    record = {
-        "command": " ".join(
-            [
-                *env,
-                "python",
-                "benchmarks/graft_acceptance.py",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
-        "pair": pair,
-        "drafter_sha256" if chat else "pair_build_sha256": build_sha256,
-        "device": str(device),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": omp,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())],
-        "prompts_per_domain": args.prompts,
-        "train_prompts": len(train),
-        "new_tokens": args.new_tokens,
-        "first_turn_tokens": args.first_turn_tokens if "chat-2turn" in domains else None,
-        "stops_at_eos": chat,
-        "batch_size": args.batch_size,
-        "greedy": True,
-        "domains": {
-            name: {"prompts": len(domains[name]), "prompt_bigram_coverage": coverage[name]}
-            for name in domains
-        },
-        "results": results,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    record = save(complete=True)
     plot_path = args.plot or out.with_suffix(".png")
     plot(record, plot_path)
     print(f"wrote {out} and {plot_path}")

@@ -31,6 +31,7 @@ def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tm
     assert out.with_suffix(".png").stat().st_size > 0
     assert record["command"] == "python benchmarks/graft_acceptance.py " + " ".join(argv)
     assert record["pair"] == "committed small pair" and not record["stops_at_eos"]
+    assert record["complete"]
     [row] = record["results"]
     cell = row["domains"]["copy-edit"]
     assert set(cell) == {*graft_benchmark.METHODS, "tau_ratio_95ci"}
