@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "acceptance.py"
+from benchmark_helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def acceptance():
-    spec = importlib.util.spec_from_file_location("acceptance_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("acceptance")
 
 
 def test_small_pair_run_writes_exact_results(acceptance, tmp_path):

@@ -3,21 +3,15 @@ the chain baseline and the JSON / plot it writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "graft_acceptance.py"
+from benchmark_helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def graft_benchmark():
-    spec = importlib.util.spec_from_file_location("graft_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("graft_acceptance")
 
 
 def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tmp_path):
