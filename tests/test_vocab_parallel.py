@@ -34,7 +34,8 @@ def _rank_main(rank: int, world: int, port: int, vocab_size: int, k: int, queue)
     try:
         shard, start = shard_of(dense_logits(vocab_size), rank, world)
         logprobs, tokens = vocab_parallel_topk(shard, k, start, vocab_size)
-        queue.put((rank, logprobs, tokens))
+        # Plain lists: a tensor would travel as a shared-memory fd that dies with this process.
+        queue.put((rank, logprobs.tolist(), tokens.tolist()))
     finally:
         dist.destroy_process_group()
 
@@ -61,8 +62,8 @@ def test_vocab_parallel_topk_equals_the_dense_topk(world, vocab_size, k):
         assert process.exitcode == 0
     want_logprobs, want_tokens = topk_from_logits(dense_logits(vocab_size), k)
     for _, logprobs, tokens in results:
-        assert torch.equal(tokens, want_tokens)
-        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(torch.tensor(tokens), want_tokens)
+        torch.testing.assert_close(torch.tensor(logprobs), want_logprobs, rtol=0, atol=1e-5)
 
 
 def test_vocab_parallel_topk_rejects_bad_inputs():
