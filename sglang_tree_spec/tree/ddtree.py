@@ -278,12 +278,11 @@ def _fixed_beams(lp: torch.Tensor, budget: int) -> _Beams:
     Each block of depth >= 2 is ``width = min(B - 1, M)`` wide and gives its best
     ``half = max(B // 2, 1)`` entries, sorted, as the next depth's parents.
     """
-    _, depth_count, k = lp.shape
+    bs, depth_count, k = lp.shape
     pair_parent, pair_rank = _candidate_pairs(budget, k, lp.device)  # [M], [M]
     width = min(budget - 1, pair_rank.numel())
     half = max(budget // 2, 1)
     first, first_pairs = _first_block(lp, budget, pair_rank.numel())
-    bs = lp.shape[0]
     scores, pair_index = [first], [first_pairs]
     parent_slots = [_arange(0, half, lp.device).expand(bs, half)]
     parents = first[:, :half]  # [bs, half] the next depth's parents, descending
