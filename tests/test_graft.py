@@ -32,7 +32,7 @@ from sglang_tree_spec.graft import (
     rank_template,
     stage_confidences,
 )
-from sglang_tree_spec.graft.edges import Q_KNOTS
+from sglang_tree_spec.graft.edges import IN_ROW, OFF_ROW, Q_KNOTS
 from sglang_tree_spec.graft.template import best_first_position
 from sglang_tree_spec.tree import build_ddtree
 from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR
@@ -199,16 +199,18 @@ def reference_edge_counts(tree, evidence, q, committed, edges):
     for b in range(tree.batch_size):
         accepted = {-1}
         for i in range(tree.budget):
-            if not tree.valid[b, i] or int(tree.parents[b, i]) not in accepted:
+            parent = int(tree.parents[b, i])
+            if not tree.valid[b, i] or parent not in accepted:
                 continue
             depth = int(tree.depths[b, i])
+            state = int(parent >= 0 and int(evidence[b, parent]) < edges.k)
             hit = int(tree.tokens[b, i]) == int(committed[b, depth - 1])
             if hit:
                 accepted.add(i)
             value = float(q[b, i])
             j = max(j for j in range(len(knots) - 1) if knots[j] <= value)
             w = (value - knots[j]) / (knots[j + 1] - knots[j])
-            cell = (min(depth, edges.depth_classes) - 1, int(evidence[b, i]))
+            cell = (min(depth, edges.depth_classes) - 1, state, int(evidence[b, i]))
             for knot, weight in ((j, 1 - w), (j + 1, w)):
                 trials[(*cell, knot)] += weight
                 hits[(*cell, knot)] += weight * hit
@@ -353,11 +355,11 @@ def reference_unified(lp, tok, root, table, edges, budget):
     of the previous depth's kept nodes, then the ``budget`` best overall by (score desc, depth
     asc). Returns the set of token paths."""
     depth_count = tok.shape[0]
-    kept = [((), 0.0, root)]  # (path, log score, last token)
+    kept = [((), 0.0, root, 0)]  # (path, log score, last token, its parent state for children)
     chosen = []
     for d in range(depth_count):
         candidates = []
-        for path, score, last in kept:
+        for path, score, last, state in kept:
             row = [t for t in table.table[last].tolist() if t != UNKNOWN]
             drafted = tok[d].tolist()
             children = [(t, float(lp[d, j].exp())) for j, t in enumerate(drafted)]
@@ -366,8 +368,9 @@ def reference_unified(lp, tok, root, table, edges, budget):
                 evidence = evidence_classes(
                     torch.tensor(table.table[last].tolist()), torch.tensor(token)
                 )
-                p = float(edges.probs(d + 1, evidence, torch.tensor(q)))
-                candidates.append(((*path, token), score + math.log(p), token))
+                p = float(edges.probs(d + 1, evidence, torch.tensor(q), state))
+                in_row = int(evidence < table.k)
+                candidates.append(((*path, token), score + math.log(p), token, in_row))
         candidates.sort(key=lambda c: -c[1])  # stable: ties keep lattice order
         kept = candidates[:budget]
         chosen += [(c[1], d, c[0]) for c in kept]
@@ -446,7 +449,7 @@ def fixed_edges(k: int, rates: dict[int, float], depth_classes: int = 3) -> Edge
     """An edge estimate whose rate depends on the evidence class only (``rates[class]``)."""
     edges = EdgeAcceptance(k, depth_classes=depth_classes)
     for evidence, rate in rates.items():
-        edges.hits[:, evidence] = edges.trials[:, evidence] * rate
+        edges.hits[:, :, evidence] = edges.trials[:, :, evidence] * rate
     return edges
 
 
@@ -508,15 +511,41 @@ def test_unified_retrieves_below_draft_nodes_by_depth():
     table.observe(torch.tensor([a, z]))  # row a: [z, ?] (a partial row: x, y are UNSEEN)
     roots = torch.tensor([root])
     edges = EdgeAcceptance(2, depth_classes=2)
-    edges.hits[:, 0] = edges.trials[:, 0] * torch.tensor([[0.01], [0.5]])  # rank 0 at depth 1, 2
+    rank_0 = edges.trials[:, :, 0]  # [depth class, parent state, knot]
+    edges.hits[:, :, 0] = rank_0 * torch.tensor([0.01, 0.5]).view(2, 1, 1)  # depth 1, 2
     out = graft_unified(tree, lp, tok, roots, table, edges)
     paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
     # z (0.9 * 0.5) under the drafted a beats x (0.9 * 0.3); y (0.9 * 0.2) is left out
     assert paths == [(a,), (a, z), (a, x)]
-    edges.hits[1, 0] = edges.trials[1, 0] * 0.25  # rank 0 at depth 2 now below x
+    edges.hits[1, :, 0] = edges.trials[1, :, 0] * 0.25  # rank 0 at depth 2 now below x
     out = graft_unified(tree, lp, tok, roots, table, edges)
     paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
     assert paths == [(a,), (a, x), (a, z)]
+
+
+def test_unified_prices_a_retrieved_run_by_its_parent_state():
+    """A retrieved child of a retrieved parent is priced with the IN_ROW rate: when repeats
+    come in runs (IN_ROW rank 0 high) the run z0 -> z1 takes the third slot; when they do
+    not (IN_ROW = OFF_ROW, independent edges), the drafted a -> x does."""
+    a, b, x, y, z0, z1, root = 2, 3, 4, 5, 6, 7, 1
+    lp = torch.tensor([[[math.log(0.6), math.log(0.25)], [math.log(0.5), math.log(0.2)]]])
+    tok = torch.tensor([[[a, b], [x, y]]])
+    tree = build_ddtree(lp, tok, 3)
+    table = SuccessorTable(10, k=2)
+    table.observe(torch.tensor([root, z0, z1]))  # partial rows: drafted tokens are UNSEEN (q)
+    roots = torch.tensor([root])
+
+    def paths_with(in_row_rate: float) -> set[tuple[int, ...]]:
+        edges = EdgeAcceptance(2, depth_classes=2)
+        rank_0 = edges.trials[:, :, 0]  # [depth class, parent state, knot]
+        rates = torch.tensor([[0.4, 0.4], [0.1, in_row_rate]])  # [depth, state]: OFF, IN
+        edges.hits[:, :, 0] = rank_0 * rates.unsqueeze(2)
+        out = graft_unified(tree, lp, tok, roots, table, edges)
+        return set(node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), [True] * 3))
+
+    assert (OFF_ROW, IN_ROW) == (0, 1)
+    assert paths_with(0.9) == {(a,), (z0,), (z0, z1)}  # 0.6, 0.4, 0.4 * 0.9 = 0.36
+    assert paths_with(0.1) == {(a,), (z0,), (a, x)}  # z0 -> z1: 0.04 < a -> x: 0.3
 
 
 # --------------------------------------------------------------------------------- engine
@@ -552,7 +581,7 @@ def test_greedy_grafting_equals_plain_decoding(target_and_ar, method):
     if method == "ddtree-graft-unified":  # every step tries at least one child of the root
         tried = engine.edge_acceptance.trials - EdgeAcceptance(engine.successors.k).trials
         assert tried.sum() >= sum(r.stats.steps for r in results)
-        assert tried[:, : engine.successors.k].sum() > 0  # nodes found in the table were tried
+        assert tried[:, :, : engine.successors.k].sum() > 0  # nodes found in the table were tried
 
 
 @pytest.mark.parametrize(
