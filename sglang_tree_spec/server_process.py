@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-START_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 360.0
 
 
 class ServerStartError(RuntimeError):

@@ -262,7 +262,7 @@ BAD_CONFIGS = [
         r"\(use --attention-backend torch_native\)",
     ),
     ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
-    ("tp-2", {"tp_size": 2}, r"--tp-size 2 is not supported yet \(use --tp-size 1\)"),
+    ("pp-2", {"pp_size": 2}, r"--pp-size 2 is not supported \(use --pp-size 1\)"),
     (
         "last-layer",
         {"draft": "last_layer_drafter"},

@@ -12,6 +12,7 @@ attention, KV moves, slot writes) come from this package's hooks; nothing else i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import urllib.request
@@ -238,6 +239,37 @@ def test_grafted_ddtree_greedy_equals_no_speculation(
         for earlier in seeded_outputs.values():  # the ungrafted servers of this module
             assert sampled["output_ids"] == earlier
     assert "graft unified" in log.read_text()
+
+
+def test_ddtree_at_tp2_equals_no_speculation_at_tp2(pair, prompts, tmp_path_factory, monkeypatch):
+    """``--tp-size 2`` on CPU (gloo groups, one core per rank): the drafter's top-K is merged
+    from the two vocabulary shards of the target's LM head. Grafted DDTREE output equals the
+    no-speculation TP 2 server's (TP changes the float reduction order, so TP 1 is not the
+    reference), 4 requests at once; and it needs about as few verify steps as the same DDTREE
+    at TP 1 (a top-K that missed a shard would draft worse, not differently)."""
+    graft = ["--speculative-ddtree-graft", "unified"]
+    runs = {"none-tp2": (None, 2), "ddtree-tp2": (8, 2), "ddtree-tp1": (8, 1)}
+    replies, logs = {}, {}
+    for name, (budget, tp) in runs.items():
+        cores = "|".join(str(rank) for rank in range(tp))  # SGLang's CPU core binding per rank
+        monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", cores)
+        logs[name] = tmp_path_factory.mktemp(name) / "server.log"
+        command = [*server_command(pair, free_port(), budget), "--tp-size", str(tp)]
+        command += graft if budget else []
+        for server in running_server(command, logs[name]):
+            with ThreadPoolExecutor(4) as pool:
+                replies[name] = list(pool.map(server.generate, prompts[:12]))
+    outputs = {name: [r["output_ids"] for r in replies[name]] for name in runs}
+    assert outputs["ddtree-tp2"] == outputs["none-tp2"]
+    steps = {
+        name: sum(r["meta_info"]["spec_verify_ct"] for r in replies[name])
+        for name in ("ddtree-tp2", "ddtree-tp1")
+    }
+    assert steps["ddtree-tp2"] < 0.6 * 12 * NEW_TOKENS
+    assert steps["ddtree-tp2"] <= 1.1 * steps["ddtree-tp1"]
+    log = logs["ddtree-tp2"].read_text()
+    for rank in ("TP0", "TP1"):
+        assert re.search(rf"{rank}\] DDTREE worker: .* over 2 vocabulary shard\(s\)", log)
 
 
 def test_engine_in_process_serves_ddtree(pair, prompts, baseline):

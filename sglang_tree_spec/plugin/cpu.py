@@ -7,6 +7,7 @@ served dtype). :mod:`.hooks` lists them with their upstream diffs.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -99,6 +100,20 @@ def input_embeds_in_model_dtype(
     if embeds is not None and forward_batch.replace_embeds is None:
         model_kwargs["input_embeds"] = embeds.to(runner.dtype)
     return model_kwargs
+
+
+def no_pynccl_for_gloo_groups(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on ``parallel_state.init_model_parallel_group``: no NCCL in a gloo group.
+
+    SGLang 0.5.17 asks every parallel group for a PyNccl communicator unless the device is an
+    NPU or XPU; on a CPU device (gloo backend) with ``--tp-size`` > 1 that fails at start-up
+    ("Expected a cuda device"). A gloo group does its collectives through torch.distributed.
+    Mirrored by ``patches/sglang-0.5.17/0011-no-pynccl-for-gloo-groups.diff``.
+    """
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    if bound.arguments["backend"] == "gloo":
+        bound.arguments["use_pynccl"] = False
+    return original(*bound.args, **bound.kwargs)
 
 
 def serving_device() -> str:

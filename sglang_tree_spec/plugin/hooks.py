@@ -66,6 +66,12 @@ def _input_embeds_in_model_dtype() -> Callable[..., dict]:
     return input_embeds_in_model_dtype
 
 
+def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
+    from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
+
+    return no_pynccl_for_gloo_groups
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         target="sglang.srt.server_args.ServerArgs",
@@ -120,6 +126,14 @@ HOOKS: tuple[Hook, ...] = (
         patch="0009-input-embeds-in-model-dtype.diff",
         reason="input_embeds (a DFlash drafter's block) are cast to bfloat16 whatever the "
         "served dtype; cast to the model's dtype",
+    ),
+    Hook(
+        target="sglang.srt.distributed.parallel_state.init_model_parallel_group",
+        kind="AROUND",
+        make=_no_pynccl_for_gloo_groups,
+        patch="0011-no-pynccl-for-gloo-groups.diff",
+        reason="every parallel group asks for a PyNccl communicator, which needs CUDA; a CPU "
+        "server's groups are gloo (--tp-size > 1 on CPU)",
     ),
     Hook(
         target="sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",

@@ -131,9 +131,10 @@ def check_page_size(page_size: int | None) -> None:
 
 
 def check_parallelism(tp_size: int, pp_size: int, enable_dp_attention: bool) -> None:
-    """TP 1 for now; like SGLang's DFlash path, no pipeline parallelism, no DP attention."""
-    if int(tp_size) != 1:  # the draft top-K over a vocab-parallel LM head is not written yet
-        raise DDTreeConfigError(f"--tp-size {tp_size} is not supported yet (use --tp-size 1)")
+    """Any TP size (the draft top-K merges the vocab-parallel LM head's shards); like SGLang's
+    DFlash path, no pipeline parallelism, no DP attention."""
+    if int(tp_size) < 1:
+        raise DDTreeConfigError(f"--tp-size must be at least 1, got {tp_size}")
     if int(pp_size) != 1:
         raise DDTreeConfigError(f"--pp-size {pp_size} is not supported (use --pp-size 1)")
     if enable_dp_attention:

@@ -40,6 +40,7 @@ from sglang_tree_spec.tree import (
     greedy_accept,
     sample_accept,
     topk_from_logits,
+    vocab_parallel_topk,
     write_full_mask,
 )
 
@@ -58,6 +59,7 @@ _WORKER_CLASS: type | None = None
 
 
 def _define_worker() -> type:
+    from sglang.srt.distributed import get_tp_group
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.model_executor.forward_batch_info import (
         CaptureHiddenMode,
@@ -99,17 +101,20 @@ def _define_worker() -> type:
             self._draft_sampler = None
             # Token ids the target can emit (its LM head may carry padding rows beyond them).
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
+            self._tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             graft = getattr(server_args, "speculative_ddtree_graft", "none")
             self._grafter = (
                 Grafter(graft, self.vocab_size, device=self.device) if graft != "none" else None
             )
             logger.info(
-                "DDTREE worker: budget %d (window %d), drafter block %d, top-K %d, graft %s",
+                "DDTREE worker: budget %d (window %d), drafter block %d, top-K %d, graft %s, "
+                "LM head over %d vocabulary shard(s)",
                 self.budget,
                 self.window,
                 self.block_size,
                 self.topk,
                 graft,
+                self._tp_group.world_size,
             )
 
         def init_cuda_graphs(self) -> None:
@@ -283,9 +288,32 @@ def _define_worker() -> type:
             with torch.inference_mode():
                 draft_out = self.draft_model_runner.forward(forward_batch)
                 hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
-                weight = target_model.lm_head.weight  # [V, H]
-                logits = torch.matmul(hidden.to(weight.dtype), weight.T)[..., : self.vocab_size]
-                return topk_from_logits(logits, min(self.topk, self.vocab_size))  # [bs, L, K]
+                return self._topk_of_lm_head(target_model.lm_head, hidden)
+
+        def _topk_of_lm_head(
+            self, lm_head: Any, hidden: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """Top-K ``[bs, L, K]`` of the target's LM head on drafter states ``[bs, L, H]``.
+
+            Under tensor parallelism the head is vocabulary-parallel: each rank multiplies by
+            its own rows only and :func:`vocab_parallel_topk` merges the ranks' top-K with two
+            ``[bs, L]`` all-reduces and one ``[bs, L, K]`` all-gather, never the dense logits.
+            """
+            k = min(self.topk, self.vocab_size)
+            if self._tp_group.world_size == 1:
+                weight = lm_head.weight[: self.vocab_size]  # [V, H] without padding rows
+                return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k)
+            # Rank r's rows are ids padded_start + j (the same count on every rank); ids at or
+            # past the real vocabulary are padding and never drafted.
+            shard = lm_head.shard_indices
+            weight = lm_head.weight[: shard.num_org_elements_padded]  # [V_shard, H]
+            return vocab_parallel_topk(
+                torch.matmul(hidden.to(weight.dtype), weight.T),  # [bs, L, V_shard]
+                k,
+                vocab_start=int(shard.padded_org_vocab_start_index),
+                vocab_size=self.vocab_size,
+                group=self._tp_group.device_group,
+            )
 
         def _verify(
             self,
