@@ -25,8 +25,9 @@ drafter's single chain, the baseline), ``ddtree``, ``ddtree-graft-stage`` (calib
 ``ddtree-graft-unified`` decode the same prompts greedily, each with a fresh engine: its
 successor table starts empty, is warmed by each prompt's bigrams and learns online over the
 prompts in order (batches of ``--batch-size``), as a server would; unified's edge
-probabilities start from their prior and learn online too. The outputs are checked to be
-token-for-token equal.
+probabilities start from a warm-up on the same TRAINING prompts (a unified engine decodes them
+once and hands its counts over, as the stage rule gets its thresholds; the successor table is
+not carried) and learn online from there. The outputs are checked to be token-for-token equal.
 
 Reported per (budget, domain, method): tau = tokens committed per target forward (bonus
 included), pooled over every step of every request; ``tok_s`` = generated tokens per second
@@ -248,6 +249,19 @@ def calibrate(
     return calibrate_stage(confidence, accept_len, engine.stage), int(accept_len.shape[0])
 
 
+def warm_edges(
+    engine: SpecEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch: int,
+    stops: list[int] | None,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Edge acceptance counts of a ``ddtree-graft-unified`` engine after decoding ``prompts``,
+    and the batched steps it counted."""
+    steps = run({"unified": engine}, prompts, new_tokens, batch, stops)["unified"]["batch_steps"]
+    return engine.edge_acceptance.state_dict(), steps
+
+
 def bootstrap_ratio(num: dict, den: dict, resamples: int = 2000, seed: int = 0) -> list[float]:
     """95% interval of ``tau(num) / tau(den)`` under a paired bootstrap over prompts."""
     rng = random.Random(seed)
@@ -424,8 +438,13 @@ def main(argv: list[str] | None = None) -> dict:
         stage, calibration_steps = calibrate(
             calibrator, train, args.new_tokens, args.batch_size, stops
         )
+        warm_engine = SpecEngine(target, drafter, "ddtree-graft-unified", budget=budget)
+        edges_state, warm_steps = warm_edges(
+            warm_engine, train, args.new_tokens, args.batch_size, stops
+        )
         row: dict = {
             "budget": budget,
+            "unified_warm_up_batch_steps": warm_steps,
             "stage": {
                 "depths": list(stage.depths),
                 "thresholds": [round(t, 5) for t in stage.thresholds],
@@ -439,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
                 method: SpecEngine(target, drafter, method, budget=budget, stage=stage)
                 for method in METHODS
             }
+            engines["ddtree-graft-unified"].edge_acceptance.load_state_dict(edges_state)
             cell = run(engines, prompts, args.new_tokens, args.batch_size, stops)
             for method in METHODS:
                 r = cell[method]

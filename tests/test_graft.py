@@ -32,7 +32,7 @@ from sglang_tree_spec.graft import (
     rank_template,
     stage_confidences,
 )
-from sglang_tree_spec.graft.edges import IN_ROW, OFF_ROW, Q_KNOTS
+from sglang_tree_spec.graft.edges import PARENT_RUNS, Q_KNOTS
 from sglang_tree_spec.graft.template import best_first_position
 from sglang_tree_spec.tree import build_ddtree
 from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR
@@ -198,19 +198,21 @@ def reference_edge_counts(tree, evidence, q, committed, edges):
     knots = list(Q_KNOTS)
     for b in range(tree.batch_size):
         accepted = {-1}
+        run = {-1: 0}  # node -> consecutive in-row edges ending at it, capped
         for i in range(tree.budget):
             parent = int(tree.parents[b, i])
+            in_row = int(evidence[b, i]) < edges.k
+            run[i] = min(run[parent] + 1, PARENT_RUNS - 1) if in_row else 0
             if not tree.valid[b, i] or parent not in accepted:
                 continue
             depth = int(tree.depths[b, i])
-            state = int(parent >= 0 and int(evidence[b, parent]) < edges.k)
             hit = int(tree.tokens[b, i]) == int(committed[b, depth - 1])
             if hit:
                 accepted.add(i)
             value = float(q[b, i])
             j = max(j for j in range(len(knots) - 1) if knots[j] <= value)
             w = (value - knots[j]) / (knots[j + 1] - knots[j])
-            cell = (min(depth, edges.depth_classes) - 1, state, int(evidence[b, i]))
+            cell = (min(depth, edges.depth_classes) - 1, run[parent], int(evidence[b, i]))
             for knot, weight in ((j, 1 - w), (j + 1, w)):
                 trials[(*cell, knot)] += weight
                 hits[(*cell, knot)] += weight * hit
@@ -355,11 +357,11 @@ def reference_unified(lp, tok, root, table, edges, budget):
     of the previous depth's kept nodes, then the ``budget`` best overall by (score desc, depth
     asc). Returns the set of token paths."""
     depth_count = tok.shape[0]
-    kept = [((), 0.0, root, 0)]  # (path, log score, last token, its parent state for children)
+    kept = [((), 0.0, root, 0)]  # (path, log score, last token, its run)
     chosen = []
     for d in range(depth_count):
         candidates = []
-        for path, score, last, state in kept:
+        for path, score, last, run in kept:
             row = [t for t in table.table[last].tolist() if t != UNKNOWN]
             drafted = tok[d].tolist()
             children = [(t, float(lp[d, j].exp())) for j, t in enumerate(drafted)]
@@ -368,9 +370,9 @@ def reference_unified(lp, tok, root, table, edges, budget):
                 evidence = evidence_classes(
                     torch.tensor(table.table[last].tolist()), torch.tensor(token)
                 )
-                p = float(edges.probs(d + 1, evidence, torch.tensor(q), state))
-                in_row = int(evidence < table.k)
-                candidates.append(((*path, token), score + math.log(p), token, in_row))
+                p = float(edges.probs(d + 1, evidence, torch.tensor(q), run))
+                child_run = min(run + 1, PARENT_RUNS - 1) if evidence < table.k else 0
+                candidates.append(((*path, token), score + math.log(p), token, child_run))
         candidates.sort(key=lambda c: -c[1])  # stable: ties keep lattice order
         kept = candidates[:budget]
         chosen += [(c[1], d, c[0]) for c in kept]
@@ -523,10 +525,10 @@ def test_unified_retrieves_below_draft_nodes_by_depth():
     assert paths == [(a,), (a, x), (a, z)]
 
 
-def test_unified_prices_a_retrieved_run_by_its_parent_state():
-    """A retrieved child of a retrieved parent is priced with the IN_ROW rate: when repeats
-    come in runs (IN_ROW rank 0 high) the run z0 -> z1 takes the third slot; when they do
-    not (IN_ROW = OFF_ROW, independent edges), the drafted a -> x does."""
+def test_unified_prices_a_retrieved_run_by_its_length():
+    """A retrieved child of a retrieved parent is priced at its parent's run (here 1): when
+    repeats come in runs (run-1 rank-0 rate high) the run z0 -> z1 takes the third slot; when
+    they do not (every run at the same rate: independent edges), the drafted a -> x does."""
     a, b, x, y, z0, z1, root = 2, 3, 4, 5, 6, 7, 1
     lp = torch.tensor([[[math.log(0.6), math.log(0.25)], [math.log(0.5), math.log(0.2)]]])
     tok = torch.tensor([[[a, b], [x, y]]])
@@ -535,17 +537,28 @@ def test_unified_prices_a_retrieved_run_by_its_parent_state():
     table.observe(torch.tensor([root, z0, z1]))  # partial rows: drafted tokens are UNSEEN (q)
     roots = torch.tensor([root])
 
-    def paths_with(in_row_rate: float) -> set[tuple[int, ...]]:
+    def paths_with(run_1_rate: float) -> set[tuple[int, ...]]:
         edges = EdgeAcceptance(2, depth_classes=2)
-        rank_0 = edges.trials[:, :, 0]  # [depth class, parent state, knot]
-        rates = torch.tensor([[0.4, 0.4], [0.1, in_row_rate]])  # [depth, state]: OFF, IN
-        edges.hits[:, :, 0] = rank_0 * rates.unsqueeze(2)
+        edges.trials[:, :, 0] = 1e4  # well observed: shrinkage toward the pooled rate is nil
+        rates = torch.full((2, PARENT_RUNS), 0.1)  # [depth class, parent run]
+        rates[0, 0], rates[1, 1] = 0.4, run_1_rate
+        edges.hits[:, :, 0] = edges.trials[:, :, 0] * rates.unsqueeze(2)
         out = graft_unified(tree, lp, tok, roots, table, edges)
         return set(node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), [True] * 3))
 
-    assert (OFF_ROW, IN_ROW) == (0, 1)
     assert paths_with(0.9) == {(a,), (z0,), (z0, z1)}  # 0.6, 0.4, 0.4 * 0.9 = 0.36
     assert paths_with(0.1) == {(a,), (z0,), (a, x)}  # z0 -> z1: 0.04 < a -> x: 0.3
+
+
+def test_edge_rates_shrink_a_rare_run_toward_the_pooled_rate():
+    edges = EdgeAcceptance(2, depth_classes=1, strength=4.0)
+    cell = (0, slice(None), 0, 3)  # depth class 0, every run, rank 0, one knot
+    edges.trials[cell] = torch.tensor([1000.0, 4.0, 4.0, 4.0])
+    edges.hits[cell] = torch.tensor([500.0, 4.0, 4.0, 4.0])  # run 0: 0.5 over 1000 trials
+    rates = edges.rates()[cell]
+    pooled = 512.0 / 1012.0
+    assert rates[0] == pytest.approx((500 + 4 * pooled) / 1004, rel=1e-6)
+    assert rates[1] == pytest.approx((4 + 4 * pooled) / 8, rel=1e-6)  # half way to the pool
 
 
 # --------------------------------------------------------------------------------- engine

@@ -27,6 +27,7 @@ def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tm
     assert record["pair"] == "committed small pair" and not record["stops_at_eos"]
     assert record["complete"]
     [row] = record["results"]
+    assert row["unified_warm_up_batch_steps"] > 0  # unified starts from a training warm-up
     cell = row["domains"]["copy-edit"]
     assert set(cell) == {*graft_benchmark.METHODS, "tau_ratio_95ci"}
     for method in graft_benchmark.METHODS:

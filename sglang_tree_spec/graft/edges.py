@@ -12,22 +12,24 @@ of a node is where its token stands in its parent token's row,
 * ``k + 1`` (UNSEEN): the row is not full (never or only bigram-filled) and the token is not in
   it -- no evidence;
 
-and ``p(e) = P(match | depth class, parent state, evidence, q)``, counted online from every
-verify step. The *parent state* says whether the parent's own token stood in its parent's row
-(``IN_ROW``) or not (``OFF_ROW``; the root counts as off-row): retrieval hits come in runs
-(a span the target already wrote elsewhere is being repeated), so a node whose parent was
-itself found in the table matches far more often than an independent edge would; without the
-state a retrieved chain of length ``n`` is priced ``p^n`` and loses to shallow drafted nodes. On
+and ``p(e) = P(match | depth class, parent run, evidence, q)``, counted online from every
+verify step. The *parent run* is how many consecutive edges ending at the parent were found
+in their own parent's row (0 for the root and for a parent outside its parent's row; capped at
+``PARENT_RUNS - 1``): retrieval hits come in runs (a span the target already wrote elsewhere
+is being repeated), so a node deep in a run matches far more often than an independent edge
+would; priced as independent edges, a retrieved chain of length ``n`` costs ``p^n`` and loses
+to shallow drafted nodes. On
 the committed small pair (online estimates after 48 held-out code prompts at B = 64) a drafted
 node absent from a full row matches less than half as often as its ``q`` says, one at rank 0
 several times as often (``q = 0.035``: 0.26 to 0.54 by depth), and a retrieved token outside
 the drafter's top-K 10% (rank 0) or 3% (rank 1) of the time.
 
-Estimator: hits / trials per cell ``(depth class, parent state, evidence, q knot)``,
-soft-binned in ``q``
-(an observation at ``q`` counts ``1 - w`` at the knot below and ``w`` at the knot above, and
-:meth:`EdgeAcceptance.probs` interpolates the same way), with a prior of ``strength``
-pseudo-trials per cell. Everything is counted on the device, fixed shapes, no host sync.
+Estimator: hits / trials per cell ``(depth class, parent run, evidence, q knot)``,
+soft-binned in ``q`` (an observation at ``q`` counts ``1 - w`` at the knot below and ``w`` at
+the knot above, and :meth:`EdgeAcceptance.probs` interpolates the same way), with a prior of
+``strength`` pseudo-trials per cell, and each run's rate shrunk toward the rate pooled over all
+runs (a run seen rarely borrows from the others). Everything is counted on the device, fixed
+shapes, no host sync.
 """
 
 from __future__ import annotations
@@ -45,8 +47,7 @@ from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR, DraftTree
 Q_KNOTS = (0.0, 0.005, 0.015, 0.035, 0.07, 0.14, 0.27, 0.45, 0.65, 0.85, 1.0)
 P_MIN, P_MAX = 1e-6, 1.0 - 1e-6  # edge probabilities are clamped inside (0, 1): scores finite,
 # children strictly below parents up to rounding (ties go to the shallower node)
-OFF_ROW, IN_ROW = 0, 1  # parent states: the parent's token was not / was in its parent's row
-PARENT_STATES = 2
+PARENT_RUNS = 4  # parent runs told apart: 0, 1, 2, 3 or more retrieval hits in a row
 
 
 def draft_marginals(
@@ -79,11 +80,22 @@ def evidence_classes(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(dim=-1), hit.to(torch.long).argmax(dim=-1), k + full.logical_not())
 
 
-def parent_states(tree: DraftTree, evidence: torch.Tensor, k: int) -> torch.Tensor:
-    """``[bs, B]`` int64 parent state of every node: ``IN_ROW`` when its parent is a node whose
-    ``evidence`` is a rank (``< k``), else ``OFF_ROW`` (the root's children included)."""
-    in_row = (evidence < k).to(torch.long)
-    return torch.where(tree.parents >= 0, in_row.gather(1, tree.parents.clamp_min(0)), OFF_ROW)
+def extend_run(parent_run: torch.Tensor, in_row: torch.Tensor) -> torch.Tensor:
+    """A child's run from its parent's run and whether the child is in the parent's row."""
+    return torch.where(in_row, (parent_run + 1).clamp_max(PARENT_RUNS - 1), 0)
+
+
+def parent_runs(tree: DraftTree, evidence: torch.Tensor, k: int) -> torch.Tensor:
+    """``[bs, B]`` int64 run of every node's parent (0 for the root's children): how many
+    consecutive edges ending at the parent have ``evidence`` a rank (``< k``), capped."""
+    in_row = evidence < k
+    parent_slots = tree.parents.clamp_min(0)
+    has_parent = tree.parents >= 0
+    runs = torch.zeros_like(tree.parents)
+    for depth in range(1, tree.max_depth + 1):  # parents are one depth up: done before
+        above = torch.where(has_parent, runs.gather(1, parent_slots), 0)
+        runs = torch.where(tree.depths == depth, extend_run(above, in_row), runs)
+    return torch.where(has_parent, runs.gather(1, parent_slots), 0)
 
 
 def edge_evidence(
@@ -110,11 +122,11 @@ def edge_evidence(
 
 
 class EdgeAcceptance:
-    """Online ``P(match | parent accepted)`` per ``(depth class, parent state, evidence, q)``.
+    """Online ``P(match | parent accepted)`` per ``(depth class, parent run, evidence, q)``.
 
     Depth classes: depth ``1, 2, ..., depth_classes`` (the last one pools every deeper depth).
-    Parent states: ``OFF_ROW`` / ``IN_ROW`` (see the module docstring); both start from the
-    same prior.
+    Parent runs: ``0 .. PARENT_RUNS - 1`` (see the module docstring); all start from the same
+    prior.
     Prior (``strength`` pseudo-trials per cell), the table's evidence as a likelihood ratio on
     the drafter's odds: ``odds(p) = odds(q) * LR``, with ``LR = 1`` for UNSEEN (so a fresh
     estimate on an empty table is DDTree's own surrogate, ``p = q``), ``1/2`` for ABSENT and
@@ -124,7 +136,7 @@ class EdgeAcceptance:
     above; a few dozen observations per cell outweigh them (an earlier prior, independent
     evidence ``1 - (1 - q)(1 - a_r)``, gave the same tau within noise).
 
-    Memory: ``2 * depth_classes * PARENT_STATES * (k + 2) * len(Q_KNOTS)`` float64.
+    Memory: ``2 * depth_classes * PARENT_RUNS * (k + 2) * len(Q_KNOTS)`` float64.
 
     Args:
         k: ranks per successor row.
@@ -158,16 +170,24 @@ class EdgeAcceptance:
         prior = (odds / (1.0 + odds)).clamp(P_MIN, P_MAX)
         prior[k + 1] = self.knots.double().clamp(P_MIN, P_MAX)  # UNSEEN: exactly q
         self.trials = torch.full(
-            (depth_classes, PARENT_STATES, k + 2, len(Q_KNOTS)),
+            (depth_classes, PARENT_RUNS, k + 2, len(Q_KNOTS)),
             float(strength),
             dtype=torch.float64,
             device=device,
         )
         self.hits = prior.expand_as(self.trials) * strength
+        self.strength = float(strength)
 
     @property
     def device(self) -> torch.device:
         return self.trials.device
+
+    def rates(self) -> torch.Tensor:
+        """``[depth_classes, PARENT_RUNS, k + 2, C]`` float32 match rates. A parent run's
+        rate is shrunk toward the rate pooled over all runs by ``strength`` pseudo-trials, so
+        a run seen rarely borrows from the others instead of from the prior alone."""
+        pooled = self.hits.sum(1, keepdim=True) / self.trials.sum(1, keepdim=True)
+        return ((self.hits + self.strength * pooled) / (self.trials + self.strength)).float()
 
     def _knots(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Knot below ``q`` (int64) and the weight ``w`` of the knot above, same shape."""
@@ -178,17 +198,17 @@ class EdgeAcceptance:
         return below, w.clamp(0.0, 1.0)
 
     def _cells(
-        self, depths: torch.Tensor, states: torch.Tensor, evidence: torch.Tensor
+        self, depths: torch.Tensor, runs: torch.Tensor, evidence: torch.Tensor
     ) -> torch.Tensor:
         depth_class = depths.clamp(1, self.depth_classes) - 1
-        return ((depth_class * PARENT_STATES + states) * (self.k + 2) + evidence) * len(Q_KNOTS)
+        return ((depth_class * PARENT_RUNS + runs) * (self.k + 2) + evidence) * len(Q_KNOTS)
 
     def probs(
         self,
         depths: torch.Tensor | int,
         evidence: torch.Tensor,
         q: torch.Tensor,
-        states: torch.Tensor | int = OFF_ROW,
+        runs: torch.Tensor | int = 0,
     ) -> torch.Tensor:
         """``P(match | parent accepted)``, broadcast over the inputs, float32 in
         ``[P_MIN, P_MAX]``.
@@ -197,13 +217,13 @@ class EdgeAcceptance:
             depths: node depths (>= 1), an int or an int64 tensor.
             evidence: int64 :func:`evidence_classes`.
             q: drafter marginals in ``[0, 1]``.
-            states: parent states (``OFF_ROW`` / ``IN_ROW``), an int or an int64 tensor.
+            runs: parent runs (``0 .. PARENT_RUNS - 1``), an int or an int64 tensor.
         """
         depths = torch.as_tensor(depths, device=self.device)
-        states = torch.as_tensor(states, device=self.device)
+        runs = torch.as_tensor(runs, device=self.device)
         below, w = self._knots(q)
-        cell = self._cells(depths, states, evidence) + below
-        rate = (self.hits / self.trials).float().flatten()
+        cell = self._cells(depths, runs, evidence) + below
+        rate = self.rates().flatten()
         p = (1.0 - w) * rate[cell] + w * rate[cell + 1]
         return p.clamp(P_MIN, P_MAX)
 
@@ -216,15 +236,15 @@ class EdgeAcceptance:
 
         Returns:
             ``(drafted [bs, L, K, S * (k + 2)], retrieved [L, S, k])`` float32 with
-            ``S = PARENT_STATES``: a drafted token of marginal ``q`` in each (parent state,
-            evidence class) cell, state-major, and a retrieved token the drafter does not
+            ``S = PARENT_RUNS``: a drafted token of marginal ``q`` in each (parent run,
+            evidence class) cell, run-major, and a retrieved token the drafter does not
             propose (``q = 0``) at each rank.
         """
         depth_count, knot_count = q.shape[1], len(Q_KNOTS)
-        cells = PARENT_STATES * (self.k + 2)
+        cells = PARENT_RUNS * (self.k + 2)
         depths = torch.arange(1, depth_count + 1, device=self.device)
         depth_class = depths.clamp_max(self.depth_classes) - 1
-        rate = (self.hits / self.trials).float()[depth_class]  # [L, S, k + 2, C]
+        rate = self.rates()[depth_class]  # [L, S, k + 2, C]
         by_knot = rate.permute(0, 3, 1, 2).reshape(depth_count * knot_count, cells)
         below, w = self._knots(q)
         below = below + (depths - 1).view(1, -1, 1) * knot_count  # row of (depth, knot)
@@ -262,8 +282,8 @@ class EdgeAcceptance:
             tried |= reached
         hits = tried & accepted[:, 1:]
         below, w = self._knots(q)
-        states = parent_states(tree, evidence, self.k)
-        cell = (self._cells(tree.depths, states, evidence) + below).flatten()
+        runs = parent_runs(tree, evidence, self.k)
+        cell = (self._cells(tree.depths, runs, evidence) + below).flatten()
         w = w.double().flatten()
         for offset, weight in ((0, 1.0 - w), (1, w)):
             self.trials.view(-1).index_add_(0, cell + offset, tried.flatten() * weight)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from sglang_tree_spec.graft.edges import OFF_ROW, EdgeAcceptance, draft_marginals
+from sglang_tree_spec.graft.edges import EdgeAcceptance, draft_marginals, extend_run
 from sglang_tree_spec.graft.table import UNKNOWN, SuccessorTable
 from sglang_tree_spec.graft.template import (
     RankTemplate,
@@ -372,10 +372,11 @@ def graft_unified(
     top-K tokens at the next depth *and* the known successors of its own token in the table,
     a token that is both counted once. So retrieved candidates hang below any node, drafted
     or retrieved, not only below the root. A child's edge probability is
-    ``p = edges.probs(depth, evidence, q, state)``, the online chance that it matches given an
+    ``p = edges.probs(depth, evidence, q, run)``, the online chance that it matches given an
     accepted parent, where ``q`` is the drafter's marginal of the token at that depth (0 outside
     the top-K), ``evidence`` its rank in the parent token's row (or absent from a full row,
-    or unseen) and ``state`` whether the parent itself was in its own parent's row -- see
+    or unseen) and ``run`` how many edges in a row ending at the parent were in their parent's
+    rows -- see
     :mod:`~sglang_tree_spec.graft.edges`. A node's score is the product of
     the edge probabilities on its path, as DDTree's ``q(u)``, and the tree is the ``B`` best
     nodes. With an empty table every token is UNSEEN and a fresh ``edges`` gives ``p = q``:
@@ -415,9 +416,9 @@ def graft_unified(
     sorted_all, order_all = (x.transpose(0, 1).contiguous() for x in drafted_all.sort(dim=2))
     log_p_all, retrieved_log_p_all = edges.log_probs_by_evidence(topk_logprobs.float().exp())
     ranks = torch.arange(k, device=device)
-    # The parents of the current depth: the root (off-row), then the previous beam.
+    # The parents of the current depth: the root (run 0), then the previous beam.
     parent_tokens = root_tokens.to(torch.long).view(bs, 1)
-    parent_state = torch.full((bs, 1), OFF_ROW, dtype=torch.long, device=device)
+    parent_run = torch.zeros(bs, 1, dtype=torch.long, device=device)
     parent_score = torch.zeros(bs, 1, device=device)
     parent_lp = torch.zeros(bs, 1, device=device)
     beams: list[tuple[torch.Tensor, ...]] = []  # (score, token, parent, logprob) [bs, B]
@@ -434,11 +435,11 @@ def graft_unified(
         # unseen (column ``top`` absorbs the row tokens the drafter does not propose).
         evidence = (k + known.all(dim=2, keepdim=True).logical_not()).expand(-1, -1, top + 1)
         evidence = evidence.scatter(2, column, ranks.expand(bs, n_parents, k))[:, :, :top]
-        cell = parent_state.unsqueeze(2) * (k + 2) + evidence  # [bs, P, K]
+        cell = parent_run.unsqueeze(2) * (k + 2) + evidence  # [bs, P, K]
         drafted_log_p = log_p_all[:, d].unsqueeze(1).expand(-1, n_parents, -1, -1)
         drafted_log_p = drafted_log_p.gather(3, cell.unsqueeze(3)).squeeze(3)  # [bs, P, K]
         retrieved_log_p = torch.where(
-            known & ~in_draft, retrieved_log_p_all[d][parent_state], float("-inf")
+            known & ~in_draft, retrieved_log_p_all[d][parent_run], float("-inf")
         )  # [bs, P, k]
         # [bs, P * (K + k)]: drafted children, then retrieved ones; -inf under invalid parents
         score = parent_score.unsqueeze(2) + torch.cat([drafted_log_p, retrieved_log_p], 2)
@@ -459,11 +460,12 @@ def graft_unified(
         edge_lp = torch.where(is_drafted, lp_all[:, d].gather(1, drafted_child), LOGPROB_FLOOR)
         beam_lp = parent_lp.gather(1, beam_parent) + edge_lp
         drafted_in_row = evidence.flatten(1).gather(1, beam_parent * top + drafted_child) < k
-        beam_state = (~is_drafted | drafted_in_row).to(torch.long)  # a retrieved child: in row
+        in_row = ~is_drafted | drafted_in_row  # a retrieved child is in its parent's row
+        beam_run = extend_run(parent_run.gather(1, beam_parent), in_row)
         parent_index = beam_parent + (d - 1) * budget if d > 0 else torch.full_like(chosen, -1)
         beams.append((beam_score, beam_token, parent_index, beam_lp))
         parent_tokens, parent_score, parent_lp = beam_token, beam_score, beam_lp
-        parent_state = beam_state
+        parent_run = beam_run
 
     score, tokens, parents, logprobs = (torch.cat(x, dim=1) for x in zip(*beams, strict=True))
     depths = torch.arange(1, depth_count + 1, device=device).repeat_interleave(budget)
