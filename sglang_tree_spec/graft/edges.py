@@ -228,7 +228,7 @@ class EdgeAcceptance:
         return p.clamp(P_MIN, P_MAX)
 
     def log_probs_by_evidence(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``log P(match)`` under every parent state and evidence class, for a whole drafted
+        """``log P(match)`` under every parent run and evidence class, for a whole drafted
         block at once (the unified policy gathers from it).
 
         Args:

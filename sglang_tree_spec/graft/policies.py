@@ -376,9 +376,8 @@ def graft_unified(
     accepted parent, where ``q`` is the drafter's marginal of the token at that depth (0 outside
     the top-K), ``evidence`` its rank in the parent token's row (or absent from a full row,
     or unseen) and ``run`` how many edges in a row ending at the parent were in their parent's
-    rows -- see
-    :mod:`~sglang_tree_spec.graft.edges`. A node's score is the product of
-    the edge probabilities on its path, as DDTree's ``q(u)``, and the tree is the ``B`` best
+    rows -- see :mod:`~sglang_tree_spec.graft.edges`. A node's score is the product of the
+    edge probabilities on its path, as DDTree's ``q(u)``, and the tree is the ``B`` best
     nodes. With an empty table every token is UNSEEN and a fresh ``edges`` gives ``p = q``:
     the DDTree itself (up to ties).
 
