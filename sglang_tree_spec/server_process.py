@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,11 +23,23 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time (the message ends with its log)."""
 
 
+FIXED_PORTS = range(20000, 32000)
+"""Where servers listen: below Linux's default ephemeral range (32768-60999), so no socket that
+asks the OS for any port (gloo pairs, TCP stores, outgoing connections) can take the port between
+``free_port`` returning it and the server binding it."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, outside the ephemeral range, that is free right now."""
+    for _ in range(100):
+        port = random.choice(FIXED_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {FIXED_PORTS}")
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> object:
@@ -43,6 +56,8 @@ def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> N
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServerStartError(f"server exited with {process.returncode}:\n{_tail(log)}")
+        if "address already in use" in log.read_text(errors="replace").lower():
+            raise ServerStartError(f"server could not bind its port:\n{_tail(log)}")
         try:
             urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
             return

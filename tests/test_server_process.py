@@ -1,0 +1,58 @@
+"""The test servers' helpers: a port no ephemeral socket can take, and a fast failure on bind."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_tree_spec.server_process import (
+    FIXED_PORTS,
+    ServerStartError,
+    free_port,
+    stop,
+    wait_until_healthy,
+)
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(port in FIXED_PORTS and port < ephemeral_low for port in ports)
+    assert len(ports) > 1  # drawn, not a constant that two servers would share
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_a_server_that_cannot_bind_fails_at_once(tmp_path: Path) -> None:
+    """uvicorn logs the bind error and the process lingers: waiting must not sit out the timeout."""
+    log = tmp_path / "server.log"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        script = (
+            "import socket, sys, time\n"
+            "s = socket.socket()\n"
+            f"try: s.bind(('127.0.0.1', {port}))\n"
+            "except OSError as e: print('ERROR:', e, flush=True)\n"
+            "time.sleep(60)\n"
+        )
+        with log.open("w") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-c", script],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            started = time.monotonic()
+            with pytest.raises(ServerStartError, match="could not bind"):
+                wait_until_healthy(f"http://127.0.0.1:{port + 1}", process, log)
+            assert time.monotonic() - started < 30
+        finally:
+            stop(process)
