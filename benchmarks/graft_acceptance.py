@@ -41,6 +41,10 @@ unified's relative to stage -- decoding is deterministic, so the noise that matt
 choice of prompts. ``prompt_bigram_coverage`` says how much each domain's continuation reuses
 the prompt (fraction of generated token bigrams already in the prompt).
 
+The record is written after every domain (``complete: false`` until the end); ``--resume``
+with the same settings and weights keeps the cells already there and measures the rest (its
+command goes to ``resumed_by``; a budget's calibration must come out as it did before).
+
     OMP_WAIT_POLICY=PASSIVE python benchmarks/graft_acceptance.py   # the small pair
     python benchmarks/graft_acceptance.py \
         --target ~/.cache/sglang-tree-spec/models/smollm2-135m-instruct \
@@ -326,6 +330,21 @@ def plot(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def resumable_record(out: Path, build_sha256: str, settings: dict) -> dict | None:
+    """The record at ``out`` if an earlier run with these settings and weights wrote it."""
+    if not out.exists():
+        return None
+    record = json.loads(out.read_text())
+    sha = record.get("drafter_sha256", record.get("pair_build_sha256"))
+    differing = [k for k, v in settings.items() if record.get(k) != v]
+    if sha != build_sha256 or differing:
+        raise ValueError(
+            f"cannot resume {out}: it was written with other "
+            f"{'weights' if sha != build_sha256 else ', '.join(differing)}"
+        )
+    return record
+
+
 def load_pair(args: argparse.Namespace, device: torch.device):
     """``(target, tokenizer, drafter, label, build_sha256)`` of the small pair or a chat pair."""
     if args.target is None:
@@ -364,6 +383,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="default: results/graft_...")
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the (budget, domain) cells that an interrupted run with the same settings "
+        "wrote to --out, and measure only the others",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -396,16 +421,34 @@ def main(argv: list[str] | None = None) -> dict:
         if max(len(p) for p in prompts) > limit:
             raise ValueError(f"a {name} prompt does not fit the target's {limit} positions")
 
-    results: list[dict] = []
-    coverage: dict[str, float] = {}
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    command = " ".join(
+        [
+            *([f"OMP_WAIT_POLICY={omp}"] if omp else []),
+            "python",
+            "benchmarks/graft_acceptance.py",
+            *(sys.argv[1:] if argv is None else argv),
+        ]
+    )
+    settings = {
+        "prompts_per_domain": args.prompts,
+        "train_prompts": len(train),
+        "new_tokens": args.new_tokens,
+        "first_turn_tokens": args.first_turn_tokens if "chat-2turn" in domains else None,
+        "batch_size": args.batch_size,
+    }
+    earlier = resumable_record(out, build_sha256, settings) if args.resume else None
+    results: list[dict] = earlier["results"] if earlier else []
+    coverage: dict[str, float] = {
+        name: value["prompt_bigram_coverage"]
+        for name, value in (earlier["domains"] if earlier else {}).items()
+    }
 
     def save(complete: bool) -> dict:
         """Write the record so far (after every domain: a long run keeps what it measured)."""
-        omp = os.environ.get("OMP_WAIT_POLICY")
-        env = [f"OMP_WAIT_POLICY={omp}"] if omp else []
-        command = [*env, "python", "benchmarks/graft_acceptance.py"]
         record = {
-            "command": " ".join([*command, *(sys.argv[1:] if argv is None else argv)]),
+            "command": earlier["command"] if earlier else command,
+            "resumed_by": [*(earlier or {}).get("resumed_by", []), command] if earlier else [],
             "complete": complete,
             "pair": pair,
             "drafter_sha256" if chat else "pair_build_sha256": build_sha256,
@@ -416,12 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())],
-            "prompts_per_domain": args.prompts,
-            "train_prompts": len(train),
-            "new_tokens": args.new_tokens,
-            "first_turn_tokens": args.first_turn_tokens if "chat-2turn" in domains else None,
+            **settings,
             "stops_at_eos": chat,
-            "batch_size": args.batch_size,
             "greedy": True,
             "domains": {
                 name: {"prompts": len(domains[name]), "prompt_bigram_coverage": coverage[name]}
@@ -434,6 +473,10 @@ def main(argv: list[str] | None = None) -> dict:
         return record
 
     for budget in args.budgets:
+        kept = next((row for row in results if row["budget"] == budget), None)
+        if kept and all(name in kept["domains"] for name in domains):
+            print(f"B={budget:3d} kept from {out}: {', '.join(domains)}", flush=True)
+            continue
         calibrator = SpecEngine(target, drafter, "ddtree", budget=budget, stage=StageConfig())
         stage, calibration_steps = calibrate(
             calibrator, train, args.new_tokens, args.batch_size, stops
@@ -451,9 +494,21 @@ def main(argv: list[str] | None = None) -> dict:
                 "keep_fractions": [round(f, 4) for f in stage.keep_fractions],
                 "calibration_steps": calibration_steps,
             },
-            "domains": {},
+            "domains": kept["domains"] if kept else {},
         }
+        if kept and {k: v for k, v in kept.items() if k != "domains"} != {
+            k: v for k, v in row.items() if k != "domains"
+        }:
+            raise ValueError(
+                f"B={budget}: the calibration differs from the one kept in {out} "
+                "(code or settings changed since); rerun without --resume"
+            )
+        if kept:
+            results[results.index(kept)] = row
         for name, prompts in domains.items():
+            if name in row["domains"]:
+                print(f"B={budget:3d} {name:10s} kept from {out}", flush=True)
+                continue
             engines = {
                 method: SpecEngine(target, drafter, method, budget=budget, stage=stage)
                 for method in METHODS
@@ -483,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "unified/chain": bootstrap_ratio(unified, chain),
             }
             row["domains"][name] = cell
-            if not results or results[-1] is not row:
+            if not any(r is row for r in results):
                 results.append(row)
             save(complete=False)
 

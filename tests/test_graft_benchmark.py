@@ -46,3 +46,26 @@ def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tm
 def test_chat_domains_need_a_chat_target(graft_benchmark):
     with pytest.raises(SystemExit):
         graft_benchmark.main(["--domains", "chat-2turn", "--prompts", "1"])
+
+
+def test_resume_measures_only_the_cells_an_interrupted_run_left(graft_benchmark, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "graft.json"
+    common = ["--prompts", "2", "--new-tokens", "6", "--train-prompts", "2", "--batch-size", "2"]
+    common += ["--out", str(out)]
+    first = graft_benchmark.main([*common, "--budgets", "8", "--domains", "copy-edit"])
+    first_cell = first["results"][0]["domains"]["copy-edit"]
+
+    argv = [*common, "--budgets", "8", "--domains", "copy-edit", "code", "--resume"]
+    record = graft_benchmark.main(argv)
+    [row] = record["results"]
+    assert row["domains"]["copy-edit"] == first_cell  # kept, wall times and all
+    assert set(row["domains"]) == {"copy-edit", "code"}
+    assert row["domains"]["code"]["chain"]["tokens"] == 2 * 6
+    assert set(record["domains"]) == {"copy-edit", "code"}
+    assert record["command"] == first["command"] and record["complete"]
+    assert record["resumed_by"] == ["python benchmarks/graft_acceptance.py " + " ".join(argv)]
+
+    other = [*common, "--new-tokens", "7", "--budgets", "8", "--domains", "code", "--resume"]
+    with pytest.raises(ValueError, match=r"other new_tokens$"):
+        graft_benchmark.main(other)  # argparse: the later --new-tokens wins
