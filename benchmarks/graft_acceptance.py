@@ -323,9 +323,10 @@ def plot(record: dict, path: Path) -> None:
     )
     for ax in axes:
         ax.set_ylim(1.0, 1.0 + (top - 1.0) * 1.25)
-    axes[0].legend(loc="upper left", ncol=len(METHODS))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(METHODS))  # below, off the bars
     fig.suptitle(f"Graft on DDTree, {record['pair']} ({record['device']}, greedy)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.08, 1.0, 1.0))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
