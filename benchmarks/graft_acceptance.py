@@ -67,6 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target
@@ -197,15 +198,20 @@ def run(
     new_tokens: int,
     batch: int,
     stops: list[int] | None,
+    desc: str = "",
 ) -> dict[str, dict]:
     """Greedy decoding of ``prompts`` by every engine, taking turns batch by batch: pooled
-    tau, tokens per second, per-prompt counts and step times per engine."""
+    tau, tokens per second, per-prompt counts and step times per engine. ``desc`` labels the
+    progress bar (one tick per engine per batch)."""
     logs = {label: _timed_steps(engine) for label, engine in engines.items()}
     tallies = {
         label: {"steps": [], "committed": [], "outputs": [], "wall": 0.0} for label in engines
     }
-    for i in range(0, len(prompts), batch):
+    batches = range(0, len(prompts), batch)
+    progress = tqdm(total=len(batches) * len(engines), desc=desc, unit="batch", leave=False)
+    for i in batches:
         for label, engine in engines.items():
+            progress.set_postfix_str(label)
             tally = tallies[label]
             start = time.perf_counter()
             results = engine.generate(prompts[i : i + batch], new_tokens, stop_token_ids=stops)
@@ -215,6 +221,8 @@ def run(
                 tally["steps"].append(stats.steps)
                 tally["committed"].append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
                 tally["outputs"].append(result.tokens)
+            progress.update()
+    progress.close()
     out = {}
     for label, tally in tallies.items():
         step_s, draft_s = logs[label]["step"], logs[label]["draft"]
@@ -243,10 +251,11 @@ def calibrate(
     new_tokens: int,
     batch: int,
     stops: list[int] | None,
+    desc: str = "",
 ):
     """Stage thresholds from the engine's DDTree steps on ``prompts``."""
     engine.confidence_log = []
-    run({"ddtree": engine}, prompts, new_tokens, batch, stops)
+    run({"ddtree": engine}, prompts, new_tokens, batch, stops, desc)
     confidence = torch.cat([c for c, _ in engine.confidence_log])
     accept_len = torch.cat([a for _, a in engine.confidence_log])
     engine.confidence_log = None
@@ -259,11 +268,12 @@ def warm_edges(
     new_tokens: int,
     batch: int,
     stops: list[int] | None,
+    desc: str = "",
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Edge acceptance counts of a ``ddtree-graft-unified`` engine after decoding ``prompts``,
     and the batched steps it counted."""
-    steps = run({"unified": engine}, prompts, new_tokens, batch, stops)["unified"]["batch_steps"]
-    return engine.edge_acceptance.state_dict(), steps
+    unified = run({"unified": engine}, prompts, new_tokens, batch, stops, desc)["unified"]
+    return engine.edge_acceptance.state_dict(), unified["batch_steps"]
 
 
 def bootstrap_ratio(num: dict, den: dict, resamples: int = 2000, seed: int = 0) -> list[float]:
@@ -480,11 +490,21 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         calibrator = SpecEngine(target, drafter, "ddtree", budget=budget, stage=StageConfig())
         stage, calibration_steps = calibrate(
-            calibrator, train, args.new_tokens, args.batch_size, stops
+            calibrator,
+            train,
+            args.new_tokens,
+            args.batch_size,
+            stops,
+            f"B={budget} stage thresholds",
         )
         warm_engine = SpecEngine(target, drafter, "ddtree-graft-unified", budget=budget)
         edges_state, warm_steps = warm_edges(
-            warm_engine, train, args.new_tokens, args.batch_size, stops
+            warm_engine,
+            train,
+            args.new_tokens,
+            args.batch_size,
+            stops,
+            f"B={budget} unified warm-up",
         )
         row: dict = {
             "budget": budget,
@@ -515,7 +535,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for method in METHODS
             }
             engines["ddtree-graft-unified"].edge_acceptance.load_state_dict(edges_state)
-            cell = run(engines, prompts, args.new_tokens, args.batch_size, stops)
+            cell = run(
+                engines, prompts, args.new_tokens, args.batch_size, stops, f"B={budget} {name}"
+            )
             for method in METHODS:
                 r = cell[method]
                 r["speedup_vs_chain"] = round(r["tok_s"] / cell["chain"]["tok_s"], 3)
