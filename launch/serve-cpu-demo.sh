@@ -11,7 +11,8 @@
 # verify attention, KV moves, slot writes) comes from the plugin's hooks, loaded by SGLang's
 # plugin entry point; the command below is SGLang's own. Set SPEC=none for plain decoding.
 #
-# GPU launch lines (same plugin; CUDA graphs on the triton backend; not yet measured here):
+# GPU launch lines (same plugin; DDTREE turns CUDA graphs off until the capture honours the tree
+# mask; not yet measured here):
 #   python -m sglang.launch_server --model-path Qwen/Qwen3-8B \
 #     --speculative-algorithm DDTREE --speculative-draft-model-path z-lab/Qwen3-8B-DFlash-b16 \
 #     --speculative-num-draft-tokens 33 --attention-backend triton
@@ -27,6 +28,7 @@ args=(
   --model-path "$pair/target" --device cpu --attention-backend torch_native --dtype float32
   --host "${HOST:-127.0.0.1}" --port "${PORT:-30000}" --max-total-tokens 16384
   --max-running-requests "${MAX_RUNNING:-16}" --random-seed 0
+  --sleep-on-idle  # without it an idle CPU scheduler spins one core
 )
 if [ "${SPEC:-ddtree}" != none ]; then
   args+=(--speculative-algorithm DDTREE --speculative-draft-model-path "$pair/drafter"

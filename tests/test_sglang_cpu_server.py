@@ -137,6 +137,7 @@ def cpu_server_command(model_path: Path, port: int) -> list[str]:
         "0",
         "--log-level",
         "info",
+        "--sleep-on-idle",  # an idle CPU scheduler otherwise spins a core the other tests need
     ]
 
 

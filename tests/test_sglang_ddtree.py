@@ -71,6 +71,7 @@ def server_command(pair: dict[str, Path], port: int, budget: int | None) -> list
         "--random-seed", "0",
         "--decode-log-interval", "5",
         "--log-level", "info",
+        "--sleep-on-idle",  # an idle CPU scheduler otherwise spins a core the other tests need
     ]  # fmt: skip
     if budget is not None:
         command += [
