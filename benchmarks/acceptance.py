@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import transformers
+from tqdm import tqdm
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target, resolve_device
@@ -166,15 +167,22 @@ def run_domain(
     new_tokens: int,
     batch_size: int,
     stops: list[int] | None,
+    desc: str = "",
 ) -> dict[str, Tally]:
-    """Decode ``prompts`` with every engine, batch by batch, the engines taking turns."""
+    """Decode ``prompts`` with every engine, batch by batch, the engines taking turns.
+    ``desc`` labels the progress bar (one tick per engine per batch)."""
     tallies = {label: Tally() for label in engines}
-    for start in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    progress = tqdm(total=len(starts) * len(engines), desc=desc, unit="batch", leave=False)
+    for start in starts:
         batch = prompts[start : start + batch_size]
         for label, engine in engines.items():
+            progress.set_postfix_str(label)
             wall, cpu = time.perf_counter(), time.process_time()
             results = engine.generate(batch, new_tokens, stop_token_ids=stops)
             tallies[label].add(results, time.perf_counter() - wall, time.process_time() - cpu)
+            progress.update()
+    progress.close()
     return tallies
 
 
@@ -341,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     for domain in domains:
-        tallies = run_domain(engines, prompts[domain], args.new_tokens, args.batch_size, stops)
+        tallies = run_domain(
+            engines, prompts[domain], args.new_tokens, args.batch_size, stops, desc=domain
+        )
         reference = tallies["ar"]
         for label, method, budget in configs(args.budgets):
             tally = tallies[label]
