@@ -60,6 +60,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     DFlashDrafter.random_init(target, num_layers=1, block_size=BLOCK_SIZE).save_pretrained(
         root / "last-layer-drafter"
     )  # reads layer 1 of 2
+    DFlashDrafter.random_init(
+        target, num_layers=1, block_size=4 * BLOCK_SIZE, target_layer_ids=[0]
+    ).save_pretrained(root / "wide-block-drafter")
     other = qwen3_config(hidden=32)
     DFlashDrafter.random_init(
         other, num_layers=1, block_size=BLOCK_SIZE, target_layer_ids=[0]
@@ -69,6 +72,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "drafter": str(root / "drafter"),
         "other_drafter": str(root / "other-drafter"),
         "last_layer_drafter": str(root / "last-layer-drafter"),
+        "wide_block_drafter": str(root / "wide-block-drafter"),
         "missing": str(root / "missing"),
     }
 
@@ -273,6 +277,12 @@ BAD_CONFIGS = [
         {"speculative_dflash_block_size": 8},
         r"--speculative-dflash-block-size 8 differs from the drafter's block_size 4",
     ),
+    (
+        "budget-below-half-block",
+        {"draft": "wide_block_drafter", "speculative_num_draft_tokens": 7},
+        r"tree budget 6 is too small for the drafter's block of 16 .* "
+        r"use --speculative-num-draft-tokens 8 or more",
+    ),
 ]
 
 
@@ -353,6 +363,22 @@ def test_server_args_with_ddtree_keep_an_explicit_budget(sglang_plugins, models)
     )
     assert args.speculative_num_draft_tokens == 65
     assert args.speculative_ddtree_topk == 16
+
+
+def test_req_to_token_rows_hold_the_decode_reservation(sglang_plugins, models):
+    """A DDTREE row holds context + 4 + the whole 2x reservation (hook 0012); without
+    speculation the row is SGLang's own."""
+    from sglang.srt.mem_cache import allocation_sizing
+
+    ddtree = server_args(
+        models,
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=models["drafter"],
+        speculative_num_draft_tokens=33,
+    )
+    assert allocation_sizing.get_req_to_token_extra_context_len(ddtree) == 4 + 2 * 33
+    plain = server_args(models)
+    assert allocation_sizing.get_req_to_token_extra_context_len(plain) == 4
 
 
 def test_launch_server_exits_with_the_one_line_error(models):

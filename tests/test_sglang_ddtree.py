@@ -101,6 +101,15 @@ class Server:
             replies = list(pool.map(self.generate, prompts))
         return [reply["output_ids"] for reply in replies]
 
+    def fill_context(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Greedy outputs of ``(prompt, new tokens)`` requests, EOS ignored, all at once."""
+        with ThreadPoolExecutor(len(requests)) as pool:
+            replies = pool.map(
+                lambda item: self.generate(item[0], max_new_tokens=item[1], ignore_eos=True),
+                requests,
+            )
+            return [reply["output_ids"] for reply in replies]
+
     def chat(self) -> str:
         reply = http_json(
             f"{self.base_url}/v1/chat/completions",
@@ -137,8 +146,22 @@ def prompts(pair: dict[str, Path]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(pair, prompts, tmp_path_factory) -> dict[str, object]:
-    """No speculation: greedy outputs one at a time and 8 at once, and the chat reply."""
+def context_filling(pair: dict[str, Path]) -> list[tuple[list[int], int]]:
+    """``(prompt, new tokens)`` pairs of context - 1 tokens in all: with EOS ignored they run
+    to SGLang's length limit, so their last decode steps reserve KV slots up to the end of
+    the request's ``req_to_token`` row."""
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
+    context = json.loads((pair["target"] / "config.json").read_text())["max_position_embeddings"]
+    text = "\n\n".join(heldout_prompts(PROMPT_COUNT))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert len(tokens) >= context
+    return [(tokens[-(context - 1 - new) :], new) for new in (6, 13, 23)]
+
+
+@pytest.fixture(scope="module")
+def baseline(pair, prompts, context_filling, tmp_path_factory) -> dict[str, object]:
+    """No speculation: greedy outputs one at a time and 8 at once, the chat reply, and the
+    outputs that fill the context."""
     import sglang  # noqa: F401  (fail, not skip, without SGLang)
 
     log = tmp_path_factory.mktemp("baseline") / "server.log"
@@ -147,6 +170,7 @@ def baseline(pair, prompts, tmp_path_factory) -> dict[str, object]:
             "sequential": server.greedy(prompts, 1),
             "concurrent": server.greedy(prompts, 8),
             "chat": server.chat(),
+            "to_context": server.fill_context(context_filling),
         }
     raise AssertionError("unreachable")
 
@@ -167,6 +191,17 @@ def test_ddtree_greedy_equals_no_speculation_one_at_a_time(ddtree_server, prompt
 
 def test_ddtree_greedy_equals_no_speculation_eight_at_once(ddtree_server, prompts, baseline):
     assert ddtree_server.greedy(prompts, 8) == baseline["sequential"]
+
+
+def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context_filling, baseline):
+    """A step reserves 2 x (budget + 1) KV slots past the committed tokens (18 at budget 8,
+    66 at 32), more than SGLang's default row headroom of 4 + budget + 1: the row holds them
+    (hook 0012), the server stays up and the outputs are the target's."""
+    assert ddtree_server.fill_context(context_filling) == baseline["to_context"]
+    # EOS ignored, each request runs until SGLang's length limit (one token short of the
+    # context here): the last steps start within a window of the row's end.
+    assert [len(out) for out in baseline["to_context"]] == [n - 1 for _, n in context_filling]
+    http_json(f"{ddtree_server.base_url}/health", timeout=30)
 
 
 def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):

@@ -66,6 +66,12 @@ def _input_embeds_in_model_dtype() -> Callable[..., dict]:
     return input_embeds_in_model_dtype
 
 
+def _req_to_token_headroom() -> Callable[..., int]:
+    from sglang_tree_spec.plugin.server_args import req_to_token_headroom
+
+    return req_to_token_headroom
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -88,6 +94,14 @@ HOOKS: tuple[Hook, ...] = (
         patch="0008-engine-server-args-class-after-plugins.diff",
         reason="sglang.Engine binds its ServerArgs class before plugins load; it must build "
         "(and pickle) the same class as the CLI",
+    ),
+    Hook(
+        target="sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
+        kind="AROUND",
+        make=_req_to_token_headroom,
+        patch="0012-req-to-token-row-holds-the-decode-reservation.diff",
+        reason="a speculative decode step reserves twice its allocation past the committed "
+        "tokens, beyond a req_to_token row near the end of the context at page size 1",
     ),
     Hook(
         target="sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__",

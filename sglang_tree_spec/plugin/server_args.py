@@ -10,11 +10,13 @@ accepted by ``sglang.Engine`` and pickled to every process like a built-in one. 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from sglang.srt import server_args as sglang_server_args
 from sglang.srt.arg_groups.arg_utils import NS, A, Arg
 
-from sglang_tree_spec.plugin.validation import GRAFT_CHOICES
+from sglang_tree_spec.plugin.validation import ALGORITHM, GRAFT_CHOICES
 
 TOPK_HELP = (
     "DDTREE only. Cap on the draft top-K per depth the tree is built from. Default: the tree "
@@ -51,6 +53,25 @@ class DDTreeServerArgs(sglang_server_args.ServerArgs):
         """
         tokens = super().max_speculative_num_draft_tokens
         block = self.speculative_dflash_block_size
-        if self.speculative_algorithm == "DDTREE" and tokens is not None and block:
+        if self.speculative_algorithm == ALGORITHM and tokens is not None and block:
             return max(tokens, int(block))
         return tokens
+
+
+def req_to_token_headroom(original: Callable[[Any], int], server_args: Any) -> int:
+    """AROUND hook on ``mem_cache.allocation_sizing.get_req_to_token_extra_context_len``.
+
+    A ``req_to_token`` row holds ``context_len + extra`` slots. A speculative decode step
+    reserves ``get_alloc_reserve_per_decode`` (twice the per-step allocation) slots past the
+    committed tokens, but at page size 1 ``extra`` is only ``4 +`` one allocation, so a
+    request running to the end of the context wrote past its row (an IndexError on CPU, the
+    neighbour's row on GPU) once the window exceeded 5 slots. For DDTREE the row holds the
+    whole reservation. Mirrored by
+    ``patches/sglang-0.5.17/0012-req-to-token-row-holds-the-decode-reservation.diff``.
+    """
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+    extra = original(server_args)
+    if server_args.speculative_algorithm != ALGORITHM:
+        return extra
+    return max(extra, 4 + get_alloc_reserve_per_decode(server_args))

@@ -68,6 +68,7 @@ def validate_server_args(server_args: Any) -> None:
     )
     check_drafter_matches_target(drafter, server_args.get_model_config().hf_config)
     check_block_size(drafter, server_args.speculative_dflash_block_size)
+    check_window_covers_block(server_args.speculative_num_draft_tokens, drafter.block_size)
 
 
 def check_draft_model_path(path: str | None) -> None:
@@ -162,6 +163,24 @@ def check_block_size(drafter: DFlashDrafter, requested: int | None) -> None:
             f"--speculative-dflash-block-size {requested} differs from the drafter's "
             f"block_size {drafter.block_size}"
         )
+
+
+def check_window_covers_block(num_draft_tokens: int | None, block_size: int) -> None:
+    """The drafter's block must fit in the KV slots SGLang reserves per decode step.
+
+    SGLang's DFlash decode reserves ``2 * --speculative-num-draft-tokens`` slots past each
+    request's committed tokens; a DDTREE step writes the drafter's block of ``block_size``
+    tokens there before the tree window, so ``2 * (budget + 1) >= block_size`` (None: the
+    default budget, block_size - 1).
+    """
+    if num_draft_tokens is None or 2 * int(num_draft_tokens) >= block_size:
+        return
+    smallest = -(-block_size // 2)  # ceil(block / 2) window slots
+    raise DDTreeConfigError(
+        f"tree budget {int(num_draft_tokens) - 1} is too small for the drafter's block of "
+        f"{block_size} (the step writes the block into the 2 x (budget + 1) KV slots SGLang "
+        f"reserves); use --speculative-num-draft-tokens {smallest} or more"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
