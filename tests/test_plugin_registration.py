@@ -381,6 +381,34 @@ def test_req_to_token_rows_hold_the_decode_reservation(sglang_plugins, models):
     assert allocation_sizing.get_req_to_token_extra_context_len(plain) == 4
 
 
+@pytest.mark.parametrize(
+    ("params", "refused"),
+    [
+        ({}, None),
+        ({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.1}, None),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -0.3}, "presence_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_new_tokens": 4}, "min_new_tokens"),
+        ({"frequency_penalty": 0.1, "min_new_tokens": 1}, "frequency_penalty, min_new_tokens"),
+    ],
+)
+def test_requests_with_penalties_are_refused(params, refused):
+    """Plain and sampled requests pass; each penalty DDTREE cannot apply exactly is named."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_tree_spec.plugin.validation import inexact_sampling_reason
+
+    reason = inexact_sampling_reason(SamplingParams(**params))
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason == (
+            f"DDTREE speculative decoding does not support {refused} yet "
+            "(its output would differ from the target's)"
+        )
+
+
 def test_launch_server_exits_with_the_one_line_error(models):
     command = [
         sys.executable, "-m", "sglang.launch_server",

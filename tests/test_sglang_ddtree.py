@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +203,20 @@ def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context
     # context here): the last steps start within a window of the row's end.
     assert [len(out) for out in baseline["to_context"]] == [n - 1 for _, n in context_filling]
     http_json(f"{ddtree_server.base_url}/health", timeout=30)
+
+
+def test_ddtree_refuses_penalties_it_cannot_apply_exactly(ddtree_server, prompts, baseline):
+    """A penalised request ends at once with the reason (HTTP 400), not with another output;
+    the server keeps serving."""
+    payload = {
+        "input_ids": prompts[0],
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "frequency_penalty": 0.5},
+    }
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        http_json(f"{ddtree_server.base_url}/generate", payload, timeout=120)
+    assert refused.value.code == 400
+    assert "does not support frequency_penalty" in refused.value.read().decode()
+    assert ddtree_server.greedy(prompts[:2], 2) == baseline["sequential"][:2]
 
 
 def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):

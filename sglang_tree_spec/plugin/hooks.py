@@ -72,6 +72,12 @@ def _req_to_token_headroom() -> Callable[..., int]:
     return req_to_token_headroom
 
 
+def _refuse_inexact_requests() -> Callable[..., str | None]:
+    from sglang_tree_spec.plugin.validation import refuse_inexact_requests
+
+    return refuse_inexact_requests
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -102,6 +108,14 @@ HOOKS: tuple[Hook, ...] = (
         patch="0012-req-to-token-row-holds-the-decode-reservation.diff",
         reason="a speculative decode step reserves twice its allocation past the committed "
         "tokens, beyond a req_to_token row near the end of the context at page size 1",
+    ),
+    Hook(
+        target="sglang.srt.speculative.dflash_utils.validate_dflash_request",
+        kind="AROUND",
+        make=_refuse_inexact_requests,
+        patch="0013-dflash-refuses-penalties.diff",
+        reason="DFlash-family decode ignores penalties and min_new_tokens; refuse such requests "
+        "rather than change their output",
     ),
     Hook(
         target="sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__",

@@ -184,6 +184,53 @@ def check_window_covers_block(num_draft_tokens: int | None, block_size: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+def inexact_sampling_reason(params: Any) -> str | None:
+    """Why DDTREE would not decode a request with these ``SamplingParams`` as the target alone
+    does, or None.
+
+    SGLang 0.5.17's DFlash-family decode never feeds accepted tokens to the penalizers, and a
+    tree's nodes would each need the penalties of their own path: frequency, presence and
+    repetition penalties come out wrong and ``min_new_tokens`` is ignored (seen on CPU against
+    no speculation). Until the worker applies them per node, such requests are refused.
+    """
+    unsupported = [
+        name
+        for name, active in (
+            ("frequency_penalty", params.frequency_penalty != 0.0),
+            ("presence_penalty", params.presence_penalty != 0.0),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("min_new_tokens", params.min_new_tokens > 0),
+        )
+        if active
+    ]
+    if not unsupported:
+        return None
+    return (
+        f"{ALGORITHM} speculative decoding does not support {', '.join(unsupported)} yet "
+        "(its output would differ from the target's)"
+    )
+
+
+def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> str | None:
+    """AROUND hook on ``speculative.dflash_utils.validate_dflash_request``: a DDTREE server
+    finishes a request it cannot decode exactly at once, with the reason (an HTTP 400), as
+    SGLang does for ``return_logprob``. Mirrored by
+    ``patches/sglang-0.5.17/0013-dflash-refuses-penalties.diff``."""
+    error = original(req, enable_overlap)
+    if error is not None:
+        return error
+    from sglang.srt.runtime_context import get_server_args
+
+    if get_server_args().speculative_algorithm != ALGORITHM:
+        return None
+    return inexact_sampling_reason(req.sampling_params)
+
+
+# ---------------------------------------------------------------------------------------------
 # Drafter config
 # ---------------------------------------------------------------------------------------------
 
