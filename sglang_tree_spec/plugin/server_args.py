@@ -64,9 +64,9 @@ def req_to_token_headroom(original: Callable[[Any], int], server_args: Any) -> i
     A ``req_to_token`` row holds ``context_len + extra`` slots. A speculative decode step
     reserves ``get_alloc_reserve_per_decode`` (twice the per-step allocation) slots past the
     committed tokens, but at page size 1 ``extra`` is only ``4 +`` one allocation, so a
-    request running to the end of the context wrote past its row (an IndexError on CPU, the
-    neighbour's row on GPU) once the window exceeded 5 slots. For DDTREE the row holds the
-    whole reservation. Mirrored by
+    DDTREE request with more than about ``context_len + 4 - (budget + 1)`` tokens wrote past
+    its row (an IndexError on CPU, the neighbour's row on GPU; seen at budgets 8 and 32). For
+    DDTREE the row holds the whole reservation. Mirrored by
     ``patches/sglang-0.5.17/0012-req-to-token-row-holds-the-decode-reservation.diff``.
     """
     from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
