@@ -274,6 +274,18 @@ def test_ddtree_server_survives_an_aborted_stream(ddtree_server, prompts, baseli
     assert ddtree_server.greedy(prompts[:4], 4) == baseline["sequential"][:4]
 
 
+def test_ddtree_under_kv_pressure_equals_no_speculation(pair, prompts, baseline, tmp_path_factory):
+    """A KV pool too small for 8 running requests of budget 32 (each step reserves 66 slots
+    per request): the scheduler retracts requests and re-prefills them later; every output is
+    still the target's."""
+    log = tmp_path_factory.mktemp("pressure") / "server.log"
+    command = server_command(pair, free_port(), 32)
+    command[command.index("--max-total-tokens") + 1] = "900"
+    for server in running_server(command, log):
+        assert server.greedy(prompts[:16], 8) == baseline["sequential"][:16]
+    assert "Retract requests" in log.read_text()
+
+
 def test_grafted_ddtree_greedy_equals_no_speculation(
     pair, prompts, baseline, seeded_outputs, tmp_path_factory
 ):
