@@ -206,16 +206,18 @@ def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context
 
 
 def test_ddtree_refuses_penalties_it_cannot_apply_exactly(ddtree_server, prompts, baseline):
-    """A penalised request ends at once with the reason (HTTP 400), not with another output;
-    the server keeps serving."""
-    payload = {
-        "input_ids": prompts[0],
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "frequency_penalty": 0.5},
-    }
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        http_json(f"{ddtree_server.base_url}/generate", payload, timeout=120)
-    assert refused.value.code == 400
-    assert "does not support frequency_penalty" in refused.value.read().decode()
+    """A penalised request (or one asking for log-probs) ends at once with the reason (HTTP
+    400), not with another output; the server keeps serving."""
+    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    for extra, reason in (
+        ({"sampling_params": {**greedy, "frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"sampling_params": greedy, "return_logprob": True}, "return_logprob"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json(f"{ddtree_server.base_url}/generate", {"input_ids": prompts[0], **extra}, 120)
+        assert refused.value.code == 400
+        message = refused.value.read().decode()
+        assert f"DDTREE speculative decoding does not support {reason}" in message
     assert ddtree_server.greedy(prompts[:2], 2) == baseline["sequential"][:2]
 
 

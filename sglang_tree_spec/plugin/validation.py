@@ -218,15 +218,15 @@ def inexact_sampling_reason(params: Any) -> str | None:
 def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> str | None:
     """AROUND hook on ``speculative.dflash_utils.validate_dflash_request``: a DDTREE server
     finishes a request it cannot decode exactly at once, with the reason (an HTTP 400), as
-    SGLang does for ``return_logprob``. Mirrored by
-    ``patches/sglang-0.5.17/0013-dflash-refuses-penalties.diff``."""
-    error = original(req, enable_overlap)
-    if error is not None:
-        return error
+    SGLang does for ``return_logprob``; SGLang's own reasons name DDTREE instead of DFLASH.
+    Mirrored by ``patches/sglang-0.5.17/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
+    error = original(req, enable_overlap)
     if get_server_args().speculative_algorithm != ALGORITHM:
-        return None
+        return error
+    if error is not None:
+        return error.replace("DFLASH", ALGORITHM)
     return inexact_sampling_reason(req.sampling_params)
 
 
