@@ -47,9 +47,11 @@ class DDTreeServerArgs(sglang_server_args.ServerArgs):
 
         A DDTREE step writes the verify window (``--speculative-num-draft-tokens``) and, before
         it, the drafter's block at the same slots; the reservation covers the longer of the
-        two, so a budget below the block size works. Mirrored by
-        ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``. (A plain property, not
-        SGLang's cached one: the block size is filled in after the arguments are parsed.)
+        two, so a budget below the block size works (down to half the block: SGLang's DFlash
+        decode reserves twice the window, see ``validation.check_window_covers_block``).
+        Mirrored by ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``. (A plain
+        property, not SGLang's cached one: the block size is filled in after the arguments
+        are parsed.)
         """
         tokens = super().max_speculative_num_draft_tokens
         block = self.speculative_dflash_block_size
