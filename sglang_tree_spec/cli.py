@@ -9,9 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# The engine's METHODS, spelled out so that building the parser does not import transformers
-# (tests/test_repository.py checks that the two agree).
-GENERATE_METHODS = ("ar", "chain", "ddtree", "ddtree-graft-stage", "ddtree-graft-unified")
+from sglang_tree_spec.config import METHODS
 
 
 def _tree_demo(args: argparse.Namespace) -> int:
@@ -126,7 +124,7 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate with ar, chain or ddtree; print stats")
     gen.add_argument("--target", required=True, help="transformers target model directory")
     gen.add_argument("--drafter", help="DFlash drafter directory (chain, ddtree)")
-    gen.add_argument("--method", choices=GENERATE_METHODS, default="ddtree")
+    gen.add_argument("--method", choices=METHODS, default="ddtree")
     gen.add_argument("--budget", type=int, default=64, help="DDTree node budget")
     gen.add_argument("--topk", type=int, default=None, help="tokens per drafted position")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")

@@ -13,6 +13,7 @@ from tree_helpers import node_paths, random_marginals
 from sglang_tree_spec.tree import (
     build_ddtree,
     build_verify_layout,
+    eagle_retrieve_arrays,
     greedy_accept,
     sample_accept,
     target_probs,
@@ -21,13 +22,14 @@ from sglang_tree_spec.tree import (
 # ---------------------------------------------------------------------------- greedy
 
 
-def naive_greedy_walk(layout, target_argmax, b: int) -> list[int]:
+def naive_greedy_walk(tree, tokens, target_argmax, b: int) -> list[int]:
     """SGLang's verify walk over the EAGLE retrieve arrays; returns the accepted slots."""
+    eagle = eagle_retrieve_arrays(tree)
     slots, cur = [0], 0
     while True:
-        child = layout.retrieve_next_token[b, cur].item()
-        while child != -1 and layout.tokens[b, child].item() != target_argmax[b, cur].item():
-            child = layout.retrieve_next_sibling[b, child].item()
+        child = eagle.next_token[b, cur].item()
+        while child != -1 and tokens[b, child].item() != target_argmax[b, cur].item():
+            child = eagle.next_sibling[b, child].item()
         if child == -1:
             return slots
         slots.append(child)
@@ -39,7 +41,7 @@ def check_greedy(tree, target_argmax):
     layout = build_verify_layout(tree, torch.zeros(bs, dtype=torch.long), torch.zeros(bs))
     result = greedy_accept(tree, target_argmax)
     for b in range(bs):
-        slots = naive_greedy_walk(layout, target_argmax, b)
+        slots = naive_greedy_walk(tree, layout.tokens, target_argmax, b)
         n = len(slots) - 1
         assert result.accept_len[b].item() == n
         assert result.accepted_slots[b, : n + 1].tolist() == slots
@@ -86,6 +88,34 @@ def test_greedy_full_depth_and_no_acceptance():
     none = check_greedy(tree, torch.tensor([[4, 6, 7, 9]]))
     assert none.accept_len.item() == 0 and none.bonus.item() == 4
     assert none.committed_tokens.tolist() == [[4, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("depth", range(1, 17))
+def test_greedy_stops_at_the_first_wrong_token_at_every_depth(depth):
+    """A two-branch tree of every depth 1-16, the spine broken at each position in turn: the
+    path ends right before the break however deep the tree (every ancestor checked)."""
+    spine = torch.arange(10, 10 + depth)
+    lp = torch.log(torch.tensor([0.9, 0.1])).expand(1, depth, 2).contiguous()
+    tok = torch.stack([spine, spine + 100], dim=1).unsqueeze(0)  # [1, L, 2]: spine, then a twin
+    tree = build_ddtree(lp, tok, 2 * depth)
+    slot_of = {0: 0}  # spine depth -> window slot of the spine node at that depth
+    parent_slots = [p + 1 for p in tree.parents[0].tolist()]
+    for i, token in enumerate(tree.tokens[0].tolist()):
+        d = len(slot_of)
+        if token == 10 + d - 1 and parent_slots[i] == slot_of[d - 1]:
+            slot_of[d] = i + 1
+    assert sorted(slot_of) == list(range(depth + 1))
+    for broken in [*range(1, depth + 1), None]:
+        argmax = torch.full((1, 2 * depth + 1), 7)
+        argmax[0, 0] = 10  # the root predicts the first spine token
+        for d in range(1, depth):
+            argmax[0, slot_of[d]] = 10 + d  # each spine node predicts the next one
+        argmax[0, slot_of[depth]] = 99
+        if broken is not None:  # the spine node at `broken` is mispredicted by its parent
+            argmax[0, slot_of[broken - 1]] = 5
+        result = check_greedy(tree, argmax)
+        want = depth if broken is None else broken - 1
+        assert result.accept_len.item() == want, (depth, broken)
 
 
 def test_greedy_never_accepts_padding():

@@ -85,21 +85,17 @@ def test_matches_heap_at_realistic_sizes(k, budget):
     assert fast.max_depth == heap.max_depth == 15
 
 
-@pytest.fixture(params=[False, True], ids=["fixed-shape", "early-stop"])
-def beam_mode(request, monkeypatch):
-    """Run a test through both beam loops: host tensors stop at the first hopeless depth,
-    device tensors run every depth with fixed shapes."""
-    from sglang_tree_spec.tree import ddtree
-
-    beams = ddtree._depth_beams
-    monkeypatch.setattr(ddtree, "_depth_beams", lambda lp, b, _: beams(lp, b, request.param))
+@pytest.fixture(params=[False, True], ids=["fixed-shape", "pruned"])
+def beam_mode(request):
+    """``prune`` for both beam loops: the pruned one stops at the first hopeless depth, the
+    fixed-shape one runs every depth."""
     return request.param
 
 
 def test_both_beam_loops_agree_with_heap(beam_mode):
     for budget, sharpness in [(64, 4.0), (256, 1.0), (256, 8.0), (1024, 3.0)]:
         lp, tok = random_marginals(3, 15, 64, vocab=300, seed=budget, sharpness=sharpness)
-        fast = build_ddtree(lp, tok, budget)
+        fast = build_ddtree(lp, tok, budget, prune=beam_mode)
         heap = build_ddtree_reference(lp, tok, budget)
         for field in FIELDS:
             assert torch.equal(getattr(fast, field), getattr(heap, field)), field
@@ -111,12 +107,12 @@ def test_host_loop_skips_what_cannot_enter():
     from sglang_tree_spec.tree import ddtree
 
     lp, tok = random_marginals(4, 15, 64, vocab=4096, seed=3, sharpness=4.0)
-    pruned = ddtree._depth_beams(lp, 256, True)
-    fixed = ddtree._depth_beams(lp, 256, False)
+    pruned = ddtree._host_beams(lp.float(), 256)
+    fixed = ddtree._fixed_beams(lp.float(), 256)
     assert fixed.scores.shape[1] == 256 + 14 * 255
     assert pruned.scores.shape[1] < fixed.scores.shape[1] // 2
     assert int(pruned.layout.depths.max()) < 14
-    tree = build_ddtree(lp, tok, 256)
+    tree = build_ddtree(lp, tok, 256, prune=True)
     heap = build_ddtree_reference(lp, tok, 256)
     for field in FIELDS:
         assert torch.equal(getattr(tree, field), getattr(heap, field)), field
@@ -131,7 +127,7 @@ def test_tied_scores_keep_the_optimal_multiset(beam_mode, k):
         lp, tok = random_marginals(3, 6, k, vocab=12, seed=seed, sharpness=1.0)
         lp = (lp * 2).round() / 2  # steps of 0.5 nats: many exact ties, still sorted
         for budget in (1, 2, 3, 4, 5, 7, 9, 16, 33):
-            tree = build_ddtree(lp, tok, budget)
+            tree = build_ddtree(lp, tok, budget, prune=beam_mode)
             heap = build_ddtree_reference(lp, tok, budget)
             assert_well_formed(tree, lp, tok)
             for b in range(3):
@@ -187,10 +183,10 @@ def test_ties_go_to_shallower_nodes(beam_mode):
     # Depth 1: two tokens at 0.5; depth 2: one token at probability 1 (log 0).
     lp = torch.tensor([[[math.log(0.5), math.log(0.5)], [0.0, float("-inf")]]])
     tok = torch.tensor([[[3, 4], [5, 6]]])
-    tree = build_ddtree(lp, tok, 2)
+    tree = build_ddtree(lp, tok, 2, prune=beam_mode)
     assert tree.depths[0].tolist() == [1, 1]
     assert sorted(tree.tokens[0].tolist()) == [3, 4]
-    tree3 = build_ddtree(lp, tok, 3)
+    tree3 = build_ddtree(lp, tok, 3, prune=beam_mode)
     assert tree3.depths[0].tolist() == [1, 1, 2]
     assert tree3.tokens[0, 2].item() == 5
     heap = build_ddtree_reference(lp, tok, 3)
@@ -201,7 +197,7 @@ def test_negative_zero_scores_keep_the_tree_prefix_closed(beam_mode):
     # -0.0 + 0.0 = +0.0: a child can carry +0.0 under a -0.0 parent; they must tie.
     lp = torch.tensor([[[-0.0], [0.0]]])
     tok = torch.tensor([[[1], [2]]])
-    tree = build_ddtree(lp, tok, 1)
+    tree = build_ddtree(lp, tok, 1, prune=beam_mode)
     assert tree.depths.tolist() == [[1]] and tree.tokens.tolist() == [[1]]
 
 
@@ -221,7 +217,7 @@ def test_zero_probability_nodes_stay_valid_and_rank_last():
 
 def test_lattice_smaller_than_budget_pads_at_the_end(beam_mode):
     lp, tok = random_marginals(2, 2, 2, vocab=5, seed=0)
-    tree = build_ddtree(lp, tok, 10)
+    tree = build_ddtree(lp, tok, 10, prune=beam_mode)
     assert tree.valid.sum(dim=1).tolist() == [6, 6]
     assert_well_formed(tree, lp, tok)
     heap = build_ddtree_reference(lp, tok, 10)

@@ -331,8 +331,8 @@ def test_policies_keep_the_tree_contract(depth, k, budget, table_k, seed):
     outputs = [
         (graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=thresholds)), None),
         (graft_stage(tree, lp, tok, roots, table, StageConfig(thresholds=(1.0, 1.0, 1.0))), None),
-        (graft_unified(tree, lp, tok, roots, table, EdgeAcceptance(table_k)), tok),
-        (graft_unified(tree, lp, tok, roots, table, random_edges(table_k, seed)), tok),
+        (graft_unified(tree.budget, lp, tok, roots, table, EdgeAcceptance(table_k)), tok),
+        (graft_unified(tree.budget, lp, tok, roots, table, random_edges(table_k, seed)), tok),
     ]
     for out, lattice in outputs:
         assert out.tokens.shape == tree.tokens.shape and out.max_depth == tree.max_depth
@@ -389,7 +389,7 @@ def test_unified_equals_the_plain_reference(depth, k, budget, table_k, seed):
     table = random_table(vocab, table_k, seed, known_rows=0.8)
     roots = torch.tensor([3, 7])
     edges = random_edges(table_k, seed + 10)
-    out = graft_unified(tree, lp, tok, roots, table, edges)
+    out = graft_unified(tree.budget, lp, tok, roots, table, edges)
     for b in range(bs):
         paths = node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), out.valid[b].tolist())
         expected = reference_unified(lp[b], tok[b], int(roots[b]), table, edges, budget)
@@ -441,7 +441,9 @@ def test_unknown_successors_are_never_grafted():
     roots = torch.tensor([1, 2])
     for out in (
         graft_stage(tree, lp, tok, roots, empty, StageConfig(thresholds=(1.0, 1.0, 1.0))),
-        graft_unified(tree, lp, tok, roots, empty, EdgeAcceptance(4)),  # fresh: p = q, DDTree
+        graft_unified(
+            tree.budget, lp, tok, roots, empty, EdgeAcceptance(4)
+        ),  # fresh: p = q, DDTree
     ):
         for field in ("tokens", "parents", "depths", "valid"):
             assert torch.equal(getattr(out, field), getattr(tree, field)), field
@@ -466,10 +468,14 @@ def test_unified_merges_a_retrieved_token_with_its_draft_twin():
     table.update(torch.tensor([root]), logits)  # row root: [c, a]
     roots = torch.tensor([root])
     # a: drafted and rank 1 (one node), c: rank 0 only, b: absent from the full row
-    out = graft_unified(tree, lp, tok, roots, table, fixed_edges(2, {0: 0.4, 1: 0.7, 2: 0.15}))
+    out = graft_unified(
+        tree.budget, lp, tok, roots, table, fixed_edges(2, {0: 0.4, 1: 0.7, 2: 0.15})
+    )
     assert out.tokens[0].tolist() == [a, c] and out.valid.all()
     assert out.logprobs[0].tolist() == pytest.approx([math.log(0.5), LOGPROB_FLOOR])
-    out = graft_unified(tree, lp, tok, roots, table, fixed_edges(2, {0: 0.1, 1: 0.7, 2: 0.15}))
+    out = graft_unified(
+        tree.budget, lp, tok, roots, table, fixed_edges(2, {0: 0.1, 1: 0.7, 2: 0.15})
+    )
     assert out.tokens[0].tolist() == [a, b]  # c: 0.1 < b: 0.15
 
 
@@ -480,9 +486,9 @@ def test_grafter_learns_from_verify_logits_and_grafts_what_it_learnt():
     root, drafted, learnt = 1, 4, 7
     lp = torch.tensor([[[math.log(0.6), math.log(0.3)]]])
     tok = torch.tensor([[[drafted, 5]]])
-    grafter = Grafter("unified", vocab_size=10, k=2)
+    grafter = Grafter("unified", vocab_size=10, k=2, topk=2)
     tree = build_ddtree(lp, tok, 3)  # a 2-prefix lattice: the third slot is padding
-    grafted = grafter.graft(tree, lp, tok, torch.tensor([root]))  # empty table: the DDTree
+    grafted = grafter.select(lp, tok, torch.tensor([root]), 3)  # empty table: the DDTree
     for field in FIELDS:
         assert torch.equal(getattr(grafted, field), getattr(tree, field)), field
     window = torch.tensor([[root, drafted, 5, 0]])  # [bs, W]: the root, then the slots
@@ -498,7 +504,7 @@ def test_grafter_learns_from_verify_logits_and_grafts_what_it_learnt():
     assert grafter.edge_acceptance.trials.sum() > EdgeAcceptance(2).trials.sum()
     with pytest.raises(RuntimeError, match="needs the tree of the last"):
         grafter.learn(grafted, window, logits, committed)  # evidence is used once
-    again = grafter.graft(tree, lp, tok, torch.tensor([root]))
+    again = grafter.select(lp, tok, torch.tensor([root]), 3)
     assert again.valid.all() and learnt in again.tokens[0].tolist()
     with pytest.raises(ValueError, match="graft method must be one of"):
         Grafter("retrieval", vocab_size=10)
@@ -515,12 +521,12 @@ def test_unified_retrieves_below_draft_nodes_by_depth():
     edges = EdgeAcceptance(2, depth_classes=2)
     rank_0 = edges.trials[:, :, 0]  # [depth class, parent state, knot]
     edges.hits[:, :, 0] = rank_0 * torch.tensor([0.01, 0.5]).view(2, 1, 1)  # depth 1, 2
-    out = graft_unified(tree, lp, tok, roots, table, edges)
+    out = graft_unified(tree.budget, lp, tok, roots, table, edges)
     paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
     # z (0.9 * 0.5) under the drafted a beats x (0.9 * 0.3); y (0.9 * 0.2) is left out
     assert paths == [(a,), (a, z), (a, x)]
     edges.hits[1, :, 0] = edges.trials[1, :, 0] * 0.25  # rank 0 at depth 2 now below x
-    out = graft_unified(tree, lp, tok, roots, table, edges)
+    out = graft_unified(tree.budget, lp, tok, roots, table, edges)
     paths = node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), out.valid[0].tolist())
     assert paths == [(a,), (a, x), (a, z)]
 
@@ -543,7 +549,7 @@ def test_unified_prices_a_retrieved_run_by_its_length():
         rates = torch.full((2, PARENT_RUNS), 0.1)  # [depth class, parent run]
         rates[0, 0], rates[1, 1] = 0.4, run_1_rate
         edges.hits[:, :, 0] = edges.trials[:, :, 0] * rates.unsqueeze(2)
-        out = graft_unified(tree, lp, tok, roots, table, edges)
+        out = graft_unified(tree.budget, lp, tok, roots, table, edges)
         return set(node_paths(out.parents[0].tolist(), out.tokens[0].tolist(), [True] * 3))
 
     assert paths_with(0.9) == {(a,), (z0,), (z0, z1)}  # 0.6, 0.4, 0.4 * 0.9 = 0.36

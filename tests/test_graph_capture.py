@@ -13,7 +13,6 @@ from tree_helpers import random_marginals
 from sglang_tree_spec.tree import (
     build_ddtree,
     build_verify_layout,
-    ddtree,
     greedy_accept,
     sample_accept,
     write_full_mask,
@@ -22,13 +21,6 @@ from sglang_tree_spec.tree import (
 
 def one_graph(fn):
     return torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
-
-
-@pytest.fixture
-def device_style_builder(monkeypatch):
-    """Host tensors would take the early-stop loop; force the fixed-shape device loop."""
-    beams = ddtree._depth_beams
-    monkeypatch.setattr(ddtree, "_depth_beams", lambda lp, b, _: beams(lp, b, False))
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +32,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_decode_step_core_traces_as_one_graph(device_style_builder):
+def test_decode_step_core_traces_as_one_graph():
     lp, tok = random_marginals(3, 6, 8, vocab=40, seed=0)
     root, prefix = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 6])
 
@@ -77,8 +69,10 @@ def _tensors(value) -> list[torch.Tensor]:
     return [v for v in vars(value).values() if torch.is_tensor(v)]
 
 
-def test_early_stop_is_a_host_only_path():
-    """The host loop reads values (it may stop early), so it must not trace as one graph."""
+def test_pruning_is_a_host_only_path():
+    """The pruned loop reads values (it may stop early), so it must not trace as one graph;
+    the default loop does."""
     lp, tok = random_marginals(2, 6, 8, vocab=40, seed=1)
+    one_graph(lambda lp, tok: build_ddtree(lp, tok, 16, validate=False))(lp, tok)
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        one_graph(lambda lp, tok: build_ddtree(lp, tok, 16, validate=False))(lp, tok)
+        one_graph(lambda lp, tok: build_ddtree(lp, tok, 16, validate=False, prune=True))(lp, tok)

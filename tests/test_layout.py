@@ -10,6 +10,7 @@ from sglang_tree_spec.tree import (
     ancestor_mask,
     build_ddtree,
     build_verify_layout,
+    eagle_retrieve_arrays,
     full_mask_indptr,
     write_full_mask,
 )
@@ -54,31 +55,33 @@ def test_positions_tokens_and_retrieve_arrays():
     assert torch.equal(layout.tokens[:, 1:], tree.tokens)
     assert torch.equal(layout.positions[:, 0], prefix)
     assert torch.equal(layout.positions[:, 1:], prefix[:, None] + tree.depths)
-    assert torch.equal(layout.retrieve_index, torch.arange(3 * d).view(3, d))
+    eagle = eagle_retrieve_arrays(tree)
+    assert torch.equal(eagle.index, torch.arange(3 * d).view(3, d))
     for b in range(3):
-        parent_slots = layout.parent_slots[b].tolist()
+        parent_slots = eagle.parent_slots[b].tolist()
         valid = [True, *tree.valid[b].tolist()]
         for i in range(d):
             children = [c for c in range(1, d) if valid[c] and parent_slots[c] == i]
-            assert layout.retrieve_next_token[b, i].item() == (children[0] if children else -1)
+            assert eagle.next_token[b, i].item() == (children[0] if children else -1)
             if i == 0 or not valid[i]:
-                assert layout.retrieve_next_sibling[b, i].item() == -1
+                assert eagle.next_sibling[b, i].item() == -1
                 continue
             later = [c for c in range(i + 1, d) if valid[c] and parent_slots[c] == parent_slots[i]]
-            assert layout.retrieve_next_sibling[b, i].item() == (later[0] if later else -1)
+            assert eagle.next_sibling[b, i].item() == (later[0] if later else -1)
 
 
 def test_padding_is_unreachable():
     tree = make_tree(bs=2, depth=2, k=2, budget=10, seed=1)  # lattice of 6 < 10
     layout = build_verify_layout(tree, torch.tensor([1, 2]), torch.tensor([3, 3]))
+    eagle = eagle_retrieve_arrays(tree)
     for b in range(2):
         reachable, frontier = set(), [0]
         while frontier:
-            child = layout.retrieve_next_token[b, frontier.pop()].item()
+            child = eagle.next_token[b, frontier.pop()].item()
             while child != -1:
                 reachable.add(child)
                 frontier.append(child)
-                child = layout.retrieve_next_sibling[b, child].item()
+                child = eagle.next_sibling[b, child].item()
         assert reachable == set(range(1, 7))
         # A padding row sees itself and the root only.
         for i in range(7, 11):

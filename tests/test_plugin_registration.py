@@ -231,7 +231,7 @@ def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
     )
     assert grafted.speculative_ddtree_graft == "unified"
     with pytest.raises(SystemExit):  # argparse refuses a method the worker does not serve
-        parser.parse_args([*argv, "--speculative-ddtree-graft", "stage"])
+        parser.parse_args([*argv, "--speculative-ddtree-graft", "retrieval"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,13 +87,6 @@ def test_cli_reports_bad_training_input_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_generate_offers_every_engine_method():
-    from sglang_tree_spec.cli import GENERATE_METHODS
-    from sglang_tree_spec.engine import METHODS
-
-    assert tuple(GENERATE_METHODS) == tuple(METHODS)
-
-
 def test_launch_scripts_parse_and_the_cpu_demo_launches_ddtree():
     """Every launch script is valid bash; the CPU demo passes DDTREE to SGLang's launcher."""
     for script in sorted((ROOT / "launch").glob("*.sh")):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_tree_spec.plugin.step_times import PhaseTimer
+from sglang_tree_spec.step_times import PhaseTimer
 
 
 def fake_clock(times: list[float]):

@@ -1,11 +1,6 @@
 """Reference engine on PyTorch + transformers: the oracle and the CPU path."""
 
-from sglang_tree_spec.engine.spec_engine import (
-    GRAFT_METHODS,
-    METHODS,
-    GenerationResult,
-    RequestStats,
-    SpecEngine,
-)
+from sglang_tree_spec.config import METHODS
+from sglang_tree_spec.engine.spec_engine import GenerationResult, RequestStats, SpecEngine
 
-__all__ = ["GRAFT_METHODS", "METHODS", "GenerationResult", "RequestStats", "SpecEngine"]
+__all__ = ["METHODS", "GenerationResult", "RequestStats", "SpecEngine"]

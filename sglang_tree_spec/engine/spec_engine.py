@@ -3,55 +3,32 @@
 The oracle for the SGLang plugin and the project's CPU path: plain decoding (``ar``), the DFlash
 single chain (``chain``), DDTree (``ddtree``) and DDTree with Graft's retrieval grafted in
 (``ddtree-graft-stage``, ``ddtree-graft-unified``) over one batch of requests of different
-lengths, all built on :mod:`sglang_tree_spec.tree` and :mod:`sglang_tree_spec.graft`.
-
-One decode step for the active requests (bs of them):
-
-1. draft   -- one drafter forward over ``[bonus, MASK x (L)]`` gives top-K marginals ``[bs, L, K]``;
-2. select  -- the draft tree (``build_ddtree`` or ``build_chain``; for the graft methods, then
-              ``graft_stage`` / ``graft_unified``) and its verify layout;
-3. verify  -- one target forward over root + tree (``W = B + 1`` slots) with the ancestor mask,
-              positions ``prefix_len + depth``;
-4. accept  -- ``greedy_accept`` / ``sample_accept``; keep the accepted path's KV only; append the
-              committed tokens' target hidden states to the drafter's context; graft methods
-              refresh the successor table from the verify logits of every window slot.
+lengths. Every decode step is :func:`sglang_tree_spec.step.decode_step`, the same function the
+SGLang worker runs, over a :class:`~sglang_tree_spec.engine.backend.TransformersBackend`; this
+module adds the prefill, stop tokens and length limits, and per-request statistics.
 
 The bonus token of a step is the root of the next one: it is committed but not yet in the KV
-cache. ``ar`` is the same loop with an empty tree (a window of the root alone).
+cache. ``ar`` is the same step with budget 0 (a window of the root alone).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from sglang_tree_spec.drafters.dflash import DFlashContextCache, DFlashDrafter
-from sglang_tree_spec.engine.kv import (
-    check_plain_cache,
-    keep_window_slots,
-    select_requests,
-    verify_attention_mask,
-)
-from sglang_tree_spec.graft import Grafter, StageConfig, stage_confidences
-from sglang_tree_spec.tree import (
-    DraftTree,
-    build_chain,
-    build_ddtree,
-    build_verify_layout,
-    counter_uniforms,
-    greedy_accept,
-    sample_accept,
-    sample_tokens,
-    topk_from_logits,
-)
+from sglang_tree_spec.config import METHODS, TreeConfig
+from sglang_tree_spec.drafters.dflash import DFlashDrafter
+from sglang_tree_spec.engine.backend import TransformersBackend
+from sglang_tree_spec.engine.kv import check_plain_cache, verify_attention_mask
+from sglang_tree_spec.graft import StageConfig, stage_confidences
+from sglang_tree_spec.step import Sampling, decode_step, make_selector
+from sglang_tree_spec.step_times import PhaseTimer
+from sglang_tree_spec.tree import counter_uniforms, sample_tokens
 
-GRAFT_METHODS = ("ddtree-graft-stage", "ddtree-graft-unified")
-METHODS = ("ar", "chain", "ddtree", *GRAFT_METHODS)
-PHASES = ("draft", "select", "verify", "accept")
+PHASES = ("draft", "tree", "verify", "accept", "commit")
 
 
 @dataclass
@@ -105,22 +82,16 @@ class GenerationResult:
 
 @dataclass
 class _Batch:
-    """State of the active requests. All tensors have the active batch as dim 0."""
+    """The active requests. Tensors have the active batch as dim 0."""
 
     ids: list[int]  # request index of each row
-    prefix_lens: torch.Tensor  # [bs] tokens in the target KV cache
     bonus: torch.Tensor  # [bs] committed token not yet in the cache (next root)
-    cache: DynamicCache
-    draft_cache: DFlashContextCache | None
     seeds: torch.Tensor  # [bs] int64 sampling seed of each request
+    backend: TransformersBackend  # caches and prefix lengths
 
     @property
     def size(self) -> int:
         return len(self.ids)
-
-    @property
-    def past_len(self) -> int:
-        return self.cache.layers[0].keys.shape[2]
 
 
 class SpecEngine:
@@ -129,19 +100,21 @@ class SpecEngine:
     Args:
         target: a transformers causal LM (full attention), eval mode.
         drafter: a :class:`DFlashDrafter` for every method but ``ar``.
-        method: one of :data:`METHODS`.
+        method: one of :data:`~sglang_tree_spec.config.METHODS` (ignored when ``config`` is
+            given).
         budget: DDTree node budget B (verify window B + 1).
-        topk: tokens per drafted position for DDTree (default ``min(budget, 64)``).
+        topk: tokens per drafted position (default: the budget; see :class:`TreeConfig`).
         stage: the stage rule of ``ddtree-graft-stage`` (calibrate it on training prompts), and
             the checkpoints :attr:`confidence_log` records.
-        successors_k: ranks per row of the successor table.
+        config: the tree configuration, instead of ``method`` / ``budget`` / ``topk``.
 
     Graft state, kept across :meth:`generate` calls and shared by all requests: ``grafter`` (a
-    :class:`~sglang_tree_spec.graft.Grafter`) with its ``successors`` table (warm-started from
-    each prompt's bigrams) and, for ``ddtree-graft-unified``, ``edge_acceptance`` (its online
-    edge probabilities), also exposed as attributes of the engine. Set
-    ``confidence_log = []`` to record, for every speculative step, ``(stage_confidences
-    [bs, C], accept_len [bs])`` (the input of :func:`~sglang_tree_spec.graft.calibrate_stage`).
+    :class:`~sglang_tree_spec.graft.Grafter`, the step's selector) with its ``successors``
+    table (warm-started from each prompt's bigrams) and, for ``ddtree-graft-unified``,
+    ``edge_acceptance`` (its online edge probabilities), also exposed as attributes of the
+    engine. Set ``confidence_log = []`` to record, for every speculative step,
+    ``(stage_confidences [bs, C], accept_len [bs])`` (the input of
+    :func:`~sglang_tree_spec.graft.calibrate_stage`). ``timer`` times every step's phases.
     """
 
     def __init__(
@@ -152,47 +125,39 @@ class SpecEngine:
         budget: int = 64,
         topk: int | None = None,
         stage: StageConfig | None = None,
-        successors_k: int = 8,
+        config: TreeConfig | None = None,
     ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if config is None:
+            if method not in METHODS:
+                raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            if not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"budget must be an int >= 1, got {budget!r}")
+            config = TreeConfig.for_method(method, budget, topk)
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
-        if method != "ar":
+        if config.drafts:
             if drafter is None:
-                raise ValueError(f"method {method!r} needs a DFlash drafter")
+                raise ValueError(f"method {config.method!r} needs a DFlash drafter")
             drafter.check_compatible(target.config)
             if drafter.config.vocab_size != self.vocab_size:
                 raise ValueError(
                     f"drafter vocabulary {drafter.config.vocab_size} != target LM head "
                     f"{self.vocab_size}"
                 )
-        if not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an int >= 1, got {budget!r}")
-        topk = min(budget, 64) if topk is None else topk
-        if not 1 <= topk <= self.vocab_size:
-            raise ValueError(f"topk must lie in [1, {self.vocab_size}], got {topk}")
+        if not 1 <= config.k <= self.vocab_size:
+            raise ValueError(f"topk must lie in [1, {self.vocab_size}], got {config.k}")
         self.target = target.eval()
-        self.drafter = drafter.eval() if drafter is not None else None
-        self.method = method
-        self.budget = budget
-        self.topk = topk
+        self.drafter = drafter.eval() if drafter is not None and config.drafts else None
+        self.config = config
+        self.method, self.budget, self.topk = config.method, config.budget, config.k
         self.device = target.device
         self.dtype = target.dtype
         self.stage = stage or StageConfig()
-        self.grafter = (
-            Grafter(
-                method.removeprefix("ddtree-graft-"),
-                self.vocab_size,
-                successors_k,
-                self.device,
-                self.stage,
-            )
-            if method in GRAFT_METHODS
-            else None
-        )
+        self.selector = make_selector(config, self.vocab_size, self.device, self.stage)
+        self.grafter = self.selector if config.graft != "none" else None
         self.successors = self.grafter.successors if self.grafter else None
         self.edge_acceptance = self.grafter.edge_acceptance if self.grafter else None
         self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.timer = PhaseTimer(True, self.device, report=None)
 
     # ------------------------------------------------------------------------- public API
 
@@ -221,22 +186,15 @@ class SpecEngine:
         sampling = (temperature, top_k, top_p)
         results: list[GenerationResult | None] = [None] * len(prompts)
         outputs: list[list[int]] = [[] for _ in prompts]
-        if self.grafter is not None:
+        if self.selector is not None:
             width = max(len(p) for p in prompts)
             padded = [p + [-1] * (width - len(p)) for p in prompts]
-            self.grafter.observe_prompts(torch.tensor(padded))
+            self.selector.observe_prompts(torch.tensor(padded, device=self.device))
         stats = [RequestStats() for _ in prompts]
 
         batch = self._prefill(prompts, sampling, base_seed, stats)
-        self._commit(
-            batch,
-            [[int(t)] for t in batch.bonus.tolist()],
-            outputs,
-            results,
-            stats,
-            stops,
-            max_new_tokens,
-        )
+        first = [[int(t)] for t in batch.bonus.tolist()]
+        self._commit(batch, first, outputs, results, stats, stops, max_new_tokens)
         batch = self._drop_finished(batch, results)
         while batch is not None:
             committed = self._step(batch, sampling, stats)
@@ -268,17 +226,27 @@ class SpecEngine:
 
     # ------------------------------------------------------------------------- phases
 
-    def _timed(self, stats: list[RequestStats], batch_ids: list[int], phase: str, start: float):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        for i in batch_ids:
-            stats[i].seconds[phase] += elapsed
-        return time.perf_counter()
+    def _sampling(self, sampling, seeds: torch.Tensor) -> Sampling:
+        """The engine's one sampling rule for every row, every row seeded."""
+        temperature, top_k, top_p = sampling
+        bs = seeds.shape[0]
+        if temperature <= 0:
+            return Sampling.greedy(bs, self.device)
+        full = lambda value, dtype: torch.full((bs,), value, dtype=dtype, device=self.device)  # noqa: E731
+        return Sampling(
+            temperature=full(temperature, torch.float32),
+            top_k=full(top_k, torch.long),
+            top_p=full(top_p, torch.float32),
+            min_p=full(0.0, torch.float32),
+            seeds=seeds,
+            seeded=full(True, torch.bool),
+            all_greedy=False,
+            all_seeded=True,
+        )
 
     def _prefill(self, prompts, sampling, base_seed, stats) -> _Batch:
         """One target forward over the right-padded prompts; samples the first token."""
-        start = time.perf_counter()
+        self.timer.start()
         bs = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
@@ -298,110 +266,46 @@ class SpecEngine:
         )
         check_plain_cache(cache)
         seeds = torch.arange(bs, device=self.device) + base_seed
+        rule = self._sampling(sampling, seeds)
         last_logits = out.logits[torch.arange(bs), lengths - 1]  # [bs, V]
-        uniforms = self._coins(seeds, (lengths - 1).unsqueeze(1), sampling)[:, 0]
-        bonus = sample_tokens(last_logits, *self._sampling_rows(sampling, bs), uniforms=uniforms)
+        coin = counter_uniforms(seeds, (lengths - 1).unsqueeze(1))[:, 0]
+        bonus = sample_tokens(last_logits, rule.temperature, rule.top_k, rule.top_p, uniforms=coin)
         draft_cache = None
         if self.drafter is not None:
             draft_cache = self.drafter.new_cache(bs)
             features = self.drafter.target_hidden_features(out.hidden_states)
             draft_cache.append(features, lengths)
-        self._timed(stats, list(range(bs)), "verify", start)
-        return _Batch(list(range(bs)), lengths, bonus, cache, draft_cache, seeds)
-
-    def _draft_tree(self, batch: _Batch) -> tuple[DraftTree, torch.Tensor]:
-        """Draft a block from each bonus token and select the tree. ``[bs, B or L]``, and the
-        drafter's top-K log-probs ``[bs, L, K]``."""
-        blocks = self.drafter.block_token_ids(batch.bonus)
-        embed, head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        topk = 1 if self.method == "chain" else self.topk
-        lp, tok = topk_from_logits(batch.draft_cache.draft_logits(blocks, embed, head), topk)
-        if self.method == "chain":
-            return build_chain(lp, tok), lp
-        tree = build_ddtree(lp, tok, self.budget, vocab_size=self.vocab_size, validate=False)
-        if self.grafter is not None:
-            tree = self.grafter.graft(tree, lp, tok, batch.bonus)
-        return tree, lp
+        self.timer.mark("verify")
+        for i in range(bs):
+            stats[i].seconds["verify"] += self.timer.last_step["verify"]
+        backend = TransformersBackend(self.target, self.drafter, cache, draft_cache, lengths)
+        return _Batch(list(range(bs)), bonus, seeds, backend)
 
     def _step(self, batch: _Batch, sampling, stats) -> list[list[int]]:
-        """One speculative (or plain) decode step; returns each row's committed tokens."""
-        ids, bs = batch.ids, batch.size
-        start = time.perf_counter()
-        tree, draft_lp = self._draft_tree(batch) if self.method != "ar" else (None, None)
-        start = self._timed(stats, ids, "draft", start)
-
-        if tree is None:
-            tokens = batch.bonus.view(bs, 1)
-            positions = batch.prefix_lens.view(bs, 1)
-            window_mask = torch.ones(bs, 1, 1, dtype=torch.bool, device=self.device)
-        else:
-            layout = build_verify_layout(tree, batch.bonus, batch.prefix_lens)
-            tokens, positions, window_mask = layout.tokens, layout.positions, layout.ancestor_mask
-        past_len = batch.past_len
-        mask = verify_attention_mask(batch.prefix_lens, past_len, window_mask, self.dtype)
-        start = self._timed(stats, ids, "select", start)
-
-        out = self.target(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=batch.cache,
-            use_cache=True,
-            output_hidden_states=tree is not None,
+        """One decode step (:func:`decode_step`); returns each row's committed tokens."""
+        backend = batch.backend
+        result = decode_step(
+            backend,
+            self.selector,
+            self.budget,
+            self._sampling(sampling, batch.seeds),
+            batch.bonus,
+            backend.prefix_lens,
+            timer=self.timer,
         )
-        start = self._timed(stats, ids, "verify", start)
-
-        # A coin per token this step can commit, keyed by the position it is drawn at (the
-        # root's, prefix_len, plus its depth): every method draws the same token there.
-        depth_count = 1 if tree is None else tree.max_depth + 1
-        positions = batch.prefix_lens.unsqueeze(1) + torch.arange(depth_count, device=self.device)
-        uniforms = self._coins(batch.seeds, positions, sampling)  # [bs, L + 1]
-        rows = self._sampling_rows(sampling, bs)
-        if tree is None:
-            bonus = sample_tokens(out.logits[:, 0], *rows, uniforms=uniforms[:, 0])
-            path = torch.zeros(bs, 1, dtype=torch.long, device=self.device)
-            accept_len = torch.zeros(bs, dtype=torch.long, device=self.device)
-            committed = bonus.view(bs, 1)
-        else:
-            if sampling[0] <= 0:
-                result = greedy_accept(tree, out.logits.argmax(dim=-1))
-            else:
-                result = sample_accept(tree, out.logits, *rows, uniforms=uniforms)
-            bonus, path, accept_len = result.bonus, result.accepted_slots, result.accept_len
-            committed = result.committed_tokens  # the accepted drafts, then the bonus
-            if self.grafter is not None:
-                self.grafter.learn(tree, tokens, out.logits, committed)
-            if self.confidence_log is not None:
-                confidence = stage_confidences(draft_lp, self.stage.depths)
-                self.confidence_log.append((confidence.cpu(), accept_len.cpu()))
-        new_lens = keep_window_slots(batch.cache, batch.prefix_lens, past_len, path)
-        if tree is not None:
-            features = self.drafter.target_hidden_features(out.hidden_states)  # [bs, W, F]
-            index = path.clamp_min(0)[:, :, None].expand(-1, -1, features.shape[2])
-            batch.draft_cache.append(features.gather(1, index), new_lens - batch.prefix_lens)
-        batch.prefix_lens, batch.bonus = new_lens, bonus
-        self._timed(stats, ids, "accept", start)
-
-        lens = (accept_len + 1).tolist()
-        rows_out = committed.tolist()
-        for row, request in enumerate(ids):
+        batch.bonus = result.accept.bonus
+        if self.confidence_log is not None and result.topk_logprobs is not None:
+            confidence = stage_confidences(result.topk_logprobs, self.stage.depths)
+            self.confidence_log.append((confidence.cpu(), result.accept.accept_len.cpu()))
+        lens = result.commit_lens.tolist()
+        rows_out = result.committed_tokens.tolist()
+        for row, request in enumerate(batch.ids):
             stats[request].record(lens[row] - 1)
-        return [rows_out[row][: lens[row]] for row in range(bs)]
+            for phase, seconds in self.timer.last_step.items():
+                stats[request].seconds[phase] += seconds
+        return [rows_out[row][: lens[row]] for row in range(batch.size)]
 
     # ------------------------------------------------------------------------- bookkeeping
-
-    def _coins(self, seeds: torch.Tensor, positions: torch.Tensor, sampling) -> torch.Tensor:
-        """``[bs, n]`` uniforms for the tokens drawn at ``positions`` ``[bs, n]``: a hash of
-        (request seed, position), so a request draws the same coin for the same token whatever
-        batch, method or tree it runs with. Greedy decoding uses no coin: zeros."""
-        if sampling[0] <= 0:
-            return torch.zeros(positions.shape, dtype=torch.float64, device=self.device)
-        return counter_uniforms(seeds, positions)
-
-    def _sampling_rows(self, sampling, bs: int) -> tuple[torch.Tensor, ...]:
-        temperature, top_k, top_p = sampling
-        full = lambda value, dtype: torch.full((bs,), value, dtype=dtype, device=self.device)  # noqa: E731
-        return full(temperature, torch.float32), full(top_k, torch.long), full(top_p, torch.float32)
 
     def _commit(self, batch, committed, outputs, results, stats, stops, max_new_tokens) -> None:
         """Append committed tokens, cutting at a stop token or the length limit."""
@@ -424,14 +328,10 @@ class SpecEngine:
         if len(alive) == batch.size:
             return batch
         index = torch.tensor(alive, device=self.device)
-        select_requests(batch.cache, index)
-        if batch.draft_cache is not None:
-            batch.draft_cache.keep(index)
+        batch.backend.keep_requests(index)
         return _Batch(
             ids=[batch.ids[row] for row in alive],
-            prefix_lens=batch.prefix_lens.index_select(0, index),
             bonus=batch.bonus.index_select(0, index),
-            cache=batch.cache,
-            draft_cache=batch.draft_cache,
             seeds=batch.seeds.index_select(0, index),
+            backend=batch.backend,
         )

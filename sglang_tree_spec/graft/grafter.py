@@ -1,9 +1,10 @@
 """One graft method's state across decode steps, for any engine that drafts DDTrees.
 
-A :class:`Grafter` owns the successor table (and, for ``unified``, the edge acceptance
-estimate) shared by every request of one engine or server. Each step the engine calls
-:meth:`Grafter.graft` on the freshly built DDTree and, after the target verified the tree,
-:meth:`Grafter.learn` with the verify logits. Pure torch, fixed shapes, no host reads.
+A :class:`Grafter` is a :class:`~sglang_tree_spec.tree.select.TreeSelector`: it owns the
+successor table (and, for ``unified``, the edge acceptance estimate) shared by every request of
+one engine or server. Each step the decode step calls :meth:`Grafter.select` on the drafter's
+top-K and, after the target verified the tree, :meth:`Grafter.learn` with the verify logits.
+Pure torch, fixed shapes, no host reads (``prune`` aside, for host tensors).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from sglang_tree_spec.graft.edges import EdgeAcceptance, edge_evidence
 from sglang_tree_spec.graft.policies import StageConfig, graft_stage, graft_unified
 from sglang_tree_spec.graft.table import SuccessorTable
-from sglang_tree_spec.tree.ddtree import DraftTree
+from sglang_tree_spec.tree.ddtree import DraftTree, build_ddtree
 from sglang_tree_spec.tree.layout import window_valid
 
 GraftMethod = Literal["stage", "unified"]
@@ -34,6 +35,8 @@ class Grafter:
         device: where the state lives (the target's device).
         stage: the stage rule's checkpoints and thresholds (calibrate them on training
             prompts); ignored by ``unified``.
+        topk: K, drafted tokens per depth.
+        prune: the host DDTree builder's early stop (``stage`` builds a DDTree first).
 
     Attributes:
         successors: the ``[V, k]`` :class:`SuccessorTable`.
@@ -47,10 +50,12 @@ class Grafter:
         k: int = 8,
         device: torch.device | str = "cpu",
         stage: StageConfig | None = None,
+        topk: int = 64,
+        prune: bool = False,
     ) -> None:
         if method not in GRAFT_METHODS:
             raise ValueError(f"graft method must be one of {GRAFT_METHODS}, got {method!r}")
-        self.method = method
+        self.method, self.topk, self.prune = method, topk, prune
         self.stage = stage or StageConfig()
         self.successors = SuccessorTable(vocab_size, k, device)
         unified = method == "unified"
@@ -61,25 +66,29 @@ class Grafter:
         """Warm start from the bigrams of ``[n, T]`` prompt token ids (-1 = padding)."""
         self.successors.observe(token_ids.to(self.successors.device))
 
-    def graft(
+    def select(
         self,
-        tree: DraftTree,
         topk_logprobs: torch.Tensor,
         topk_tokens: torch.Tensor,
         root_tokens: torch.Tensor,
+        budget: int,
     ) -> DraftTree:
-        """The grafted tree: same ``[bs, B]`` shape, ``max_depth`` and invariants as ``tree``.
+        """The grafted ``[bs, budget]`` trees (DraftTree invariants, ``max_depth`` = L).
 
         Args:
-            tree: the DDTree built from ``topk_logprobs`` / ``topk_tokens`` ``[bs, L, K]``.
+            topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K, sorted descending.
             root_tokens: ``[bs]`` bonus tokens.
+            budget: B.
         """
         if self.edge_acceptance is None:
+            tree = build_ddtree(
+                topk_logprobs, topk_tokens, budget, validate=False, prune=self.prune
+            )
             return graft_stage(
                 tree, topk_logprobs, topk_tokens, root_tokens, self.successors, self.stage
             )
         grafted = graft_unified(
-            tree, topk_logprobs, topk_tokens, root_tokens, self.successors, self.edge_acceptance
+            budget, topk_logprobs, topk_tokens, root_tokens, self.successors, self.edge_acceptance
         )
         # Edge acceptance is counted against the rows the tree was drafted from.
         self._evidence = edge_evidence(
@@ -94,7 +103,7 @@ class Grafter:
         logits: torch.Tensor,
         committed: torch.Tensor,
     ) -> None:
-        """Refresh the state from one verify step of ``tree`` (the last one grafted).
+        """Refresh the state from one verify step of ``tree`` (the last one selected).
 
         Args:
             tree: the verified ``[bs, B]`` trees.
@@ -104,7 +113,7 @@ class Grafter:
         """
         if self.edge_acceptance is not None:
             if self._evidence is None:
-                raise RuntimeError("Grafter.learn needs the tree of the last Grafter.graft")
+                raise RuntimeError("Grafter.learn needs the tree of the last Grafter.select")
             self.edge_acceptance.observe(tree, *self._evidence, committed)
             self._evidence = None
         valid = window_valid(tree).flatten()

@@ -189,6 +189,13 @@ def _check_inputs(tree: DraftTree, topk_tokens: torch.Tensor, root_tokens: torch
             f"top-K inputs must be [bs, L, K] with bs={bs}, L={depth}; "
             f"got {tuple(topk_tokens.shape)}"
         )
+    _check_roots(topk_tokens, root_tokens)
+
+
+def _check_roots(topk_tokens: torch.Tensor, root_tokens: torch.Tensor) -> None:
+    bs = topk_tokens.shape[0]
+    if topk_tokens.dim() != 3:
+        raise ValueError(f"top-K inputs must be [bs, L, K], got {tuple(topk_tokens.shape)}")
     if root_tokens.shape != (bs,):
         raise ValueError(f"root_tokens must be [bs] = [{bs}], got {tuple(root_tokens.shape)}")
 
@@ -359,7 +366,7 @@ def _largest_safe_threshold(
 
 
 def graft_unified(
-    tree: DraftTree,
+    budget: int,
     topk_logprobs: torch.Tensor,
     topk_tokens: torch.Tensor,
     root_tokens: torch.Tensor,
@@ -390,24 +397,24 @@ def graft_unified(
     Cost per depth: ``B * (K + k)`` candidates, a sorted search of the ``B * k`` row tokens among
     the ``K`` drafted ones, one top-B; fixed shapes, no host synchronisation.
 
-    The input ``tree`` fixes ``B`` and ``L`` only (it is contained in the lattice). Output
-    ``logprobs`` keep the DraftTree contract (path log-prob under the drafter's marginals,
+    No DDTree is built first (the DDTree is contained in this lattice). Output ``logprobs``
+    keep the DraftTree contract (path log-prob under the drafter's marginals,
     ``LOGPROB_FLOOR`` per retrieved-only edge); the selection score is not stored.
 
     Args:
-        tree: ``[bs, B]`` DDTree.
+        budget: B, node slots per request.
         topk_logprobs, topk_tokens: ``[bs, L, K]`` the drafter's top-K (sorted descending).
         root_tokens: ``[bs]`` bonus tokens.
         table: the successor table.
         edges: the edge acceptance estimate (:class:`~sglang_tree_spec.graft.edges.
             EdgeAcceptance`, same ``k`` as the table).
     """
-    _check_inputs(tree, topk_tokens, root_tokens)
+    _check_roots(topk_tokens, root_tokens)
     if edges.k != table.k:
         raise ValueError(f"edges.k = {edges.k} does not match the table's k = {table.k}")
-    bs, budget, depth_count = tree.batch_size, tree.budget, tree.max_depth
-    k, top = table.k, topk_tokens.shape[2]
-    device = tree.device
+    bs, depth_count, top = topk_tokens.shape
+    k = table.k
+    device = topk_tokens.device
     width = top + k  # children per parent: drafted, then retrieved
     lp_all = topk_logprobs.float().clamp_min(LOGPROB_FLOOR)
     drafted_all = topk_tokens.to(torch.long)

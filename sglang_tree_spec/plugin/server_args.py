@@ -25,10 +25,11 @@ TOPK_HELP = (
 )
 
 GRAFT_HELP = (
-    "DDTREE only. Graft retrieved tokens into the draft tree: 'unified' keeps one successor "
-    "table shared by all requests (refreshed from every verify step's top-k) and chooses the "
-    "tree best-first over drafted and retrieved tokens at the same budget. Outputs are "
-    "unchanged. Default: 'none'."
+    "DDTREE only. Graft retrieved tokens into the draft tree from one successor table shared "
+    "by all requests (refreshed from every verify step's top-k): 'unified' chooses the tree "
+    "best-first over drafted and retrieved tokens at the same budget; 'stage' is Graft's "
+    "prune-then-graft rule (uncalibrated default thresholds). Outputs are unchanged. "
+    "Default: 'none'."
 )
 
 

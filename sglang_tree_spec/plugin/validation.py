@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, Qwen3Config
 
+from sglang_tree_spec.config import GRAFT_POLICIES
 from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
 SUPPORTED_PAGE_SIZES = (1,)
 
 
-GRAFT_CHOICES = ("none", "unified")  # --speculative-ddtree-graft
+GRAFT_CHOICES = GRAFT_POLICIES  # --speculative-ddtree-graft
 
 
 class DDTreeConfigError(ValueError):

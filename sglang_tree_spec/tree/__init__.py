@@ -21,9 +21,11 @@ from sglang_tree_spec.tree.ddtree import (
     topk_from_logits,
 )
 from sglang_tree_spec.tree.layout import (
+    EagleRetrieve,
     VerifyLayout,
     ancestor_mask,
     build_verify_layout,
+    eagle_retrieve_arrays,
     full_mask_indptr,
     write_full_mask,
 )
@@ -32,6 +34,7 @@ from sglang_tree_spec.tree.vocab_parallel import vocab_parallel_topk
 __all__ = [
     "AcceptResult",
     "DraftTree",
+    "EagleRetrieve",
     "VerifyLayout",
     "ancestor_mask",
     "build_chain",
@@ -39,6 +42,7 @@ __all__ = [
     "build_ddtree_reference",
     "build_verify_layout",
     "counter_uniforms",
+    "eagle_retrieve_arrays",
     "full_mask_indptr",
     "greedy_accept",
     "sample_accept",

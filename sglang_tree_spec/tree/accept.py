@@ -207,7 +207,8 @@ def sample_tokens(
 def slot_depths(tree: DraftTree) -> torch.Tensor:
     """``[bs, B + 1]`` int64 depth of every window slot (root 0; padding slots 0)."""
     depths = torch.where(tree.valid, tree.depths, 0)
-    return torch.cat([torch.zeros_like(depths[:, :1]), depths], dim=1)
+    root = torch.zeros(tree.batch_size, 1, dtype=depths.dtype, device=depths.device)
+    return torch.cat([root, depths], dim=1)
 
 
 def sample_accept(

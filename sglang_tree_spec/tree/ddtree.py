@@ -20,9 +20,9 @@ beaten by at least B shallower or better prefixes, so it can never be in the ans
 is the B best of the union of the beams, ranked by (score descending, depth ascending). A child
 never scores above its parent and is deeper, so the answer is prefix closed, and its first N
 nodes by that rank are the optimal N-tree for every N <= B (nesting; the budget controller
-relies on it). On the host the loop also keeps the B-th best score found so far and skips every
-parent, token rank and depth whose best extension cannot beat it (shapes then follow the
-values; the answer does not).
+relies on it). With ``prune=True`` (host tensors) the loop also keeps the B-th best score found
+so far and skips every parent, token rank and depth whose best extension cannot beat it (shapes
+then follow the values; the answer does not).
 """
 
 from __future__ import annotations
@@ -260,18 +260,6 @@ def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, index.reshape(-1)).view(index.shape)
 
 
-def _depth_beams(lp: torch.Tensor, budget: int, stop_early: bool) -> _Beams:
-    """The best prefixes of every depth that can still reach the answer.
-
-    Args:
-        lp: ``[bs, L, k]`` finite log-probs sorted descending, ``k <= budget``.
-        stop_early: prune by what the prefixes found so far already guarantee
-            (:func:`_host_beams`): reading that is a host synchronisation, so only host tensors
-            use it; otherwise every depth runs with fixed shapes (:func:`_fixed_beams`).
-    """
-    return _host_beams(lp, budget) if stop_early else _fixed_beams(lp, budget)
-
-
 def _fixed_beams(lp: torch.Tensor, budget: int) -> _Beams:
     """Every depth, fixed shapes, no host synchronisation (CUDA-graph safe).
 
@@ -478,6 +466,7 @@ def build_ddtree(
     *,
     vocab_size: int | None = None,
     validate: bool = True,
+    prune: bool = False,
 ) -> DraftTree:
     """The ``budget`` most probable prefixes of the top-K lattice, batched and on device.
 
@@ -488,6 +477,9 @@ def build_ddtree(
         vocab_size: when given, K and the token ids are checked against it.
         validate: also check values (sorted, finite order, distinct tokens). This reads the
             inputs on the host; the decode hot path passes ``False``.
+        prune: skip every parent, token rank and depth that cannot beat the B-th best score
+            found so far. Reads a score back per depth, so shapes follow the values: the fast
+            loop for host tensors, never for a CUDA graph. The tree is the same either way.
 
     Returns:
         A :class:`DraftTree` with ``[bs, budget]`` tensors; within a depth, nodes by score
@@ -501,8 +493,7 @@ def build_ddtree(
     k = min(k_all, budget)
     lp = topk_logprobs[..., :k].float().clamp_min(LOGPROB_FLOOR)  # [bs, L, k] finite
 
-    stop_early = lp.device.type == "cpu"  # host tensors: reading a flag costs nothing
-    beams = _depth_beams(lp, budget, stop_early)
+    beams = _host_beams(lp, budget) if prune else _fixed_beams(lp, budget)
     layout = beams.layout
     chosen = _chosen_in_breadth_first_order(beams, budget)  # [bs, B] flat indices
     depth0 = _lookup(layout.depths, chosen)  # [bs, B] 0-based depth

@@ -38,21 +38,33 @@ class VerifyLayout:
         tokens: ``[bs, D]`` int64, root token then node tokens (padding slots carry 0).
         ancestor_mask: ``[bs, D, D]`` bool, see the module docstring.
         positions: ``[bs, D]`` int64, ``prefix_len + depth``.
-        parent_slots: ``[bs, D]`` int64 parent slot of each slot (root: -1, padding: 0).
-        depths: ``[bs, D]`` int64 (root: 0).
-        retrieve_index: ``[bs, D]`` int64, EAGLE convention.
-        retrieve_next_token: ``[bs, D]`` int64, EAGLE convention.
-        retrieve_next_sibling: ``[bs, D]`` int64, EAGLE convention.
+
+    The decode step reads only these; SGLang's EAGLE walk arrays are
+    :func:`eagle_retrieve_arrays`, built only by a caller that walks the tree EAGLE's way.
     """
 
     tokens: torch.Tensor
     ancestor_mask: torch.Tensor
     positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class EagleRetrieve:
+    """SGLang's EAGLE tree-walk arrays, ``[bs, D]`` int64 each (see the module docstring).
+
+    Attributes:
+        parent_slots: parent slot of each slot (root: -1, padding: 0).
+        depths: depth of each slot (root: 0).
+        index: row of each slot in the flattened ``[bs * D]`` verify batch.
+        next_token: first child of each slot, -1 if none.
+        next_sibling: next sibling of each slot, -1 if none.
+    """
+
     parent_slots: torch.Tensor
     depths: torch.Tensor
-    retrieve_index: torch.Tensor
-    retrieve_next_token: torch.Tensor
-    retrieve_next_sibling: torch.Tensor
+    index: torch.Tensor
+    next_token: torch.Tensor
+    next_sibling: torch.Tensor
 
 
 def slot_parents(tree: DraftTree) -> torch.Tensor:
@@ -157,21 +169,32 @@ def build_verify_layout(
         root_tokens: ``[bs]`` int64 bonus tokens (slot 0).
         prefix_lens: ``[bs]`` int64 tokens already in each request's KV cache.
     """
-    bs, d = tree.batch_size, tree.budget + 1
-    device = tree.device
+    bs = tree.batch_size
     tokens = torch.cat([root_tokens.view(bs, 1).to(torch.long), tree.tokens], dim=1)
-    depths = torch.cat([torch.zeros(bs, 1, dtype=torch.long, device=device), tree.depths], 1)
-    parents = slot_parents(tree)
-    first_child, next_sibling = sibling_links(group_siblings(parents, window_valid(tree)))
     return VerifyLayout(
         tokens=tokens,
         ancestor_mask=ancestor_mask(tree),
-        positions=prefix_lens.view(bs, 1).to(torch.long) + depths,
+        positions=prefix_lens.view(bs, 1).to(torch.long) + _slot_depths(tree),
+    )
+
+
+def _slot_depths(tree: DraftTree) -> torch.Tensor:
+    """``[bs, D]`` int64 depth of every window slot (root 0)."""
+    root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=tree.device)
+    return torch.cat([root, tree.depths], dim=1)
+
+
+def eagle_retrieve_arrays(tree: DraftTree) -> EagleRetrieve:
+    """SGLang's EAGLE walk arrays for ``[bs, B]`` trees (for a verifier that walks them)."""
+    bs, d = tree.batch_size, tree.budget + 1
+    parents = slot_parents(tree)
+    first_child, next_sibling = sibling_links(group_siblings(parents, window_valid(tree)))
+    return EagleRetrieve(
         parent_slots=parents,
-        depths=depths,
-        retrieve_index=torch.arange(bs * d, device=device).view(bs, d),
-        retrieve_next_token=first_child,
-        retrieve_next_sibling=next_sibling,
+        depths=_slot_depths(tree),
+        index=torch.arange(bs * d, device=tree.device).view(bs, d),
+        next_token=first_child,
+        next_sibling=next_sibling,
     )
 
 

@@ -1,6 +1,9 @@
-"""Where a DDTREE decode step spends its time, when asked.
+"""Where a decode step spends its time: the step's own phase timer.
 
-``SGLANG_TREE_SPEC_STEP_TIMES=N`` (N > 0) logs the mean time per phase every N decode steps.
+:func:`sglang_tree_spec.step.decode_step` marks its phases (draft, tree, verify, accept,
+commit) on a :class:`PhaseTimer`. The server enables it with ``SGLANG_TREE_SPEC_STEP_TIMES=N``
+(N > 0: the mean time per phase logged every N decode steps); the reference engine and the
+benchmarks read :attr:`PhaseTimer.last_step` after every step.
 
 Off by default: timing a GPU step honestly needs a device synchronisation at every phase
 boundary, which the hot path must not pay.
@@ -28,7 +31,7 @@ class PhaseTimer:
         self,
         enabled: bool,
         device: torch.device | str,
-        report: Callable[[str], None],
+        report: Callable[[str], None] | None,
         every: int = 50,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -36,6 +39,7 @@ class PhaseTimer:
         is_cuda = torch.device(device).type == "cuda"
         self._sync = torch.cuda.synchronize if is_cuda else (lambda: None)
         self._totals: dict[str, float] = {}
+        self.last_step: dict[str, float] = {}  # seconds per phase of the last step
         self._steps = self._rows = 0
         self._last = 0.0
 
@@ -49,11 +53,13 @@ class PhaseTimer:
         if self.enabled:
             self._sync()
             self._last = self.clock()
+            self.last_step = {}
 
     def mark(self, phase: str) -> None:
         if self.enabled:
             self._sync()
             now = self.clock()
+            self.last_step[phase] = self.last_step.get(phase, 0.0) + now - self._last
             self._totals[phase] = self._totals.get(phase, 0.0) + now - self._last
             self._last = now
 
@@ -62,7 +68,7 @@ class PhaseTimer:
             return
         self._steps += 1
         self._rows += batch_size
-        if self._steps % self.every == 0:
+        if self.report is not None and self._steps % self.every == 0:
             self.report(self.summary())
             self._totals, self._steps, self._rows = {}, 0, 0
 

@@ -1,0 +1,202 @@
+"""The SGLang side of a DDTREE decode step: :class:`SGLangBackend`, a
+:class:`~sglang_tree_spec.step.StepBackend` over the DDTREE worker's pools and runners.
+
+For one scheduled decode batch it drafts a DFlash block, verifies a tree window and keeps the
+accepted path, on SGLang's shared KV pool:
+
+* the drafter's block ``[bonus, MASK x L]`` runs as a TARGET_VERIFY batch of the draft model
+  at positions ``prefix .. prefix + L``; the draft top-K comes from the target's LM head
+  (vocabulary-parallel under TP: merged top-K, never dense logits);
+* the verify window (``W`` slots at positions ``prefix + depth``) is written to KV slots
+  ``prefix .. prefix + W - 1`` of each request, with SGLang's FULL_MASK tree mask;
+* the accepted path's target KV moves to the contiguous slots ``prefix .. prefix + a`` and the
+  drafter's context KV for those tokens is written from the target's hidden states.
+
+Sizes come from the scheduler's host copy of the sequence lengths, so no device tensor is read
+back here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_tree_spec.tree import (
+    VerifyLayout,
+    topk_from_logits,
+    vocab_parallel_topk,
+    write_full_mask,
+)
+
+
+class SGLangBackend:
+    """Draft, verify and keep for one decode ``batch`` (a ``ModelWorkerBatch``) of ``worker``.
+
+    After :meth:`verify`, ``logits_output`` and ``can_run_cuda_graph`` hold the target
+    forward's outputs for the scheduler's result.
+    """
+
+    def __init__(self, worker: Any, batch: Any) -> None:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        self.worker, self.batch = worker, batch
+        self._capture_full = CaptureHiddenMode.FULL
+        self.req_to_token = worker.model_runner.req_to_token_pool.req_to_token
+        self.host_prefix_lens = (
+            batch.seq_lens_cpu.to(torch.int64)
+            if batch.seq_lens_cpu is not None
+            else batch.seq_lens.cpu().to(torch.int64)
+        )  # [bs]
+        self.logits_output: Any = None
+        self.can_run_cuda_graph = False
+        self._window_locs: torch.Tensor | None = None  # [bs, W] KV slots of the window
+        self._window_pos: torch.Tensor | None = None  # [bs, W] their positions
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[bs, n]`` KV slots reserved at ``positions [bs, n]``."""
+        rows = self.batch.req_pool_indices[:, None]
+        return self.req_to_token[rows, positions].to(torch.int64)
+
+    # --- draft --------------------------------------------------------------------------
+
+    def draft_topk(
+        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward; top-K ``[bs, L, K]`` log-probs and ids of slots 1..L."""
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardBatch,
+            ForwardMode,
+        )
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        worker = self.worker
+        bs, block = bonus.shape[0], worker.block_size
+        block_ids = torch.full(
+            (bs, block), int(worker._mask_token_id), dtype=torch.int64, device=bonus.device
+        )
+        block_ids[:, 0] = bonus
+        positions = prefix_lens[:, None] + worker.block_pos_offsets  # [bs, block]
+        target_model = worker.target_worker.model_runner.model
+        draft_dtype = next(worker.draft_model.parameters()).dtype
+        input_embeds = target_model.get_input_embeddings()(block_ids).to(draft_dtype)
+        seq_lens_cpu = self.host_prefix_lens.to(torch.int32)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=self.batch.req_pool_indices,
+            seq_lens=prefix_lens,
+            out_cache_loc=self._slots(positions).flatten(),
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions.flatten(),
+            input_embeds=input_embeds.view(bs * block, -1),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=worker.draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+        with torch.inference_mode():
+            draft_out = worker.draft_model_runner.forward(forward_batch)
+            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
+            return self._topk_of_lm_head(target_model.lm_head, hidden, k)
+
+    def _topk_of_lm_head(
+        self, lm_head: Any, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K ``[bs, L, K]`` of the target's LM head on drafter states ``[bs, L, H]``.
+
+        Under tensor parallelism the head is vocabulary-parallel: each rank multiplies by
+        its own rows only and :func:`vocab_parallel_topk` merges the ranks' top-K with two
+        ``[bs, L]`` all-reduces and one ``[bs, L, K]`` all-gather, never the dense logits.
+        """
+        vocab_size, group = self.worker.vocab_size, self.worker.tp_group
+        k = min(k, vocab_size)
+        if group.world_size == 1:
+            weight = lm_head.weight[:vocab_size]  # [V, H] without padding rows
+            return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k)
+        # Rank r's rows are ids padded_start + j (the same count on every rank); ids at or
+        # past the real vocabulary are padding and never drafted.
+        shard = lm_head.shard_indices
+        weight = lm_head.weight[: shard.num_org_elements_padded]  # [V_shard, H]
+        return vocab_parallel_topk(
+            torch.matmul(hidden.to(weight.dtype), weight.T),  # [bs, L, V_shard]
+            k,
+            vocab_start=int(shard.padded_org_vocab_start_index),
+            vocab_size=vocab_size,
+            group=group.device_group,
+        )
+
+    # --- verify -------------------------------------------------------------------------
+
+    def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """One target forward over every request's ``W`` window slots with the tree mask;
+        ``[bs, W, V]`` logits after SGLang's verify logit adjustments."""
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+        from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+        batch, worker = self.batch, self.worker
+        bs, window = layout.tokens.shape
+        window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
+        self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
+        mask_size = window * int((self.host_prefix_lens + window).sum())  # FULL_MASK entries
+        mask = torch.empty(mask_size, dtype=torch.bool, device=prefix_lens.device)
+        write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+        verify_input = DFlashVerifyInput(
+            draft_token=layout.tokens.reshape(-1),
+            positions=layout.positions.reshape(-1),
+            draft_token_num=window,
+            custom_mask=mask,
+            capture_hidden_mode=self._capture_full,
+        )
+        batch.out_cache_loc = self._window_locs.reshape(-1)
+        seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+        if seq_lens_cpu is not None:
+            batch.seq_lens_cpu = seq_lens_cpu + window
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+        out = worker.target_worker.forward_batch_generation(
+            batch=None,
+            forward_batch=forward_batch,
+            is_verify=True,
+            skip_attn_backend_init=True,
+        )
+        self.logits_output, self.can_run_cuda_graph = (
+            out.logits_output,
+            bool(out.can_run_cuda_graph),
+        )
+        logits = self.logits_output.next_token_logits  # [bs * W, V]
+        if batch.sampling_info is not None:
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=logits,
+                sampling_info=batch.sampling_info,
+                draft_token_num=window,
+            )
+        return logits.view(bs, window, -1)
+
+    # --- keep ---------------------------------------------------------------------------
+
+    def keep(self, path_slots: torch.Tensor, commit_lens: torch.Tensor) -> None:
+        """Path slot ``j``'s target KV moves to window slot ``j`` (position prefix + j; off
+        the path the move is a no-op); the drafter's context KV for those positions is
+        written from the path's target hidden states."""
+        bs, width = path_slots.shape
+        window_locs = self._window_locs
+        slots = path_slots.clamp_min(0)
+        dst_locs = window_locs[:, :width]
+        src_locs = torch.where(path_slots >= 0, window_locs.gather(1, slots), dst_locs)
+        self.worker.model_runner.token_to_kv_pool.move_kv_cache(
+            dst_locs.flatten(), src_locs.flatten()
+        )
+        hidden = self.logits_output.hidden_states.view(bs, window_locs.shape[1], -1)
+        path_hidden = hidden.gather(1, slots[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        self.worker._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+            cache_loc=dst_locs.reshape(-1),
+            cache_loc_2d=dst_locs,
+            positions=self._window_pos[:, :width].reshape(-1),
+            commit_lens=commit_lens.to(torch.int32),
+        )
+        self.logits_output.hidden_states = None
