@@ -3,7 +3,7 @@
 Every method decodes the same held-out prompts through the reference engine
 (:class:`~sglang_tree_spec.engine.SpecEngine`): ``ar`` (plain decoding, tau = 1), ``chain``
 (the DFlash drafter's single chain of ``block_size - 1`` tokens) and ``ddtree`` at each budget
-(top-K ``min(B, 64)``). Decoding is greedy, so every method must produce exactly the tokens of
+(top-K = the budget). Decoding is greedy, so every method must produce exactly the tokens of
 ``ar``; each prompt whose output differs is counted and printed (a near-tie of the target's
 logits between a one-token forward and a tree forward can flip a float32 argmax; ``--dtype
 float64`` rules that out).
@@ -36,11 +36,8 @@ writes ``benchmarks/results/acceptance_cpu_small_pair.json`` and the plot next t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -48,14 +45,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from tqdm import tqdm
+from common import (
+    RESULTS,
+    bootstrap_interval,
+    command_line,
+    decode_prompts,
+    environment,
+    first_difference,
+    sha256_file,
+)
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target, resolve_device
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 
-RESULTS = Path(__file__).parent / "results"
 STDLIB_DOMAIN = "code-stdlib"
 CHAT_DOMAINS = ("code", "math", "chat")
 ALL_DOMAINS = (STDLIB_DOMAIN, *CHAT_DOMAINS)
@@ -106,94 +109,6 @@ def configs(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
         ("chain", "chain", None),
         *((f"ddtree-{b}", "ddtree", b) for b in budgets),
     ]
-
-
-class Tally:
-    """Outputs, step counts and times of one (domain, method, budget) over its batches."""
-
-    def __init__(self) -> None:
-        self.outputs: list[list[int]] = []
-        self.steps: list[int] = []  # per prompt
-        self.committed: list[int] = []  # per prompt: accepted + bonus over its steps
-        self.hist: list[int] = []  # pooled accept_hist
-        self.wall_s = 0.0
-        self.cpu_s = 0.0
-
-    def add(self, results, wall: float, cpu: float) -> None:
-        self.wall_s += wall
-        self.cpu_s += cpu
-        for result in results:
-            stats = result.stats
-            self.outputs.append(result.tokens)
-            self.steps.append(stats.steps)
-            self.committed.append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
-            if len(stats.accept_hist) > len(self.hist):
-                self.hist.extend([0] * (len(stats.accept_hist) - len(self.hist)))
-            for n, c in enumerate(stats.accept_hist):
-                self.hist[n] += c
-
-    @property
-    def tau(self) -> float:
-        return sum(self.committed) / max(sum(self.steps), 1)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-
-def bootstrap_tau(tally: Tally, resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95% interval of the pooled tau under a bootstrap over prompts."""
-    rng = random.Random(seed)
-    n = len(tally.steps)
-    taus = []
-    for _ in range(resamples):
-        pick = [rng.randrange(n) for _ in range(n)]
-        steps = sum(tally.steps[i] for i in pick)
-        taus.append(sum(tally.committed[i] for i in pick) / max(steps, 1))
-    taus.sort()
-    return [round(taus[int(0.025 * resamples)], 4), round(taus[int(0.975 * resamples)], 4)]
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """Index of the first differing token (the shorter length if one is a prefix)."""
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-
-
-def run_domain(
-    engines: dict[str, SpecEngine],
-    prompts: list[list[int]],
-    new_tokens: int,
-    batch_size: int,
-    stops: list[int] | None,
-    desc: str = "",
-) -> dict[str, Tally]:
-    """Decode ``prompts`` with every engine, batch by batch, the engines taking turns.
-    ``desc`` labels the progress bar (one tick per engine per batch)."""
-    tallies = {label: Tally() for label in engines}
-    starts = range(0, len(prompts), batch_size)
-    progress = tqdm(total=len(starts) * len(engines), desc=desc, unit="batch", leave=False)
-    for start in starts:
-        batch = prompts[start : start + batch_size]
-        for label, engine in engines.items():
-            progress.set_postfix_str(label)
-            wall, cpu = time.perf_counter(), time.process_time()
-            results = engine.generate(batch, new_tokens, stop_token_ids=stops)
-            tallies[label].add(results, time.perf_counter() - wall, time.process_time() - cpu)
-            progress.update()
-    progress.close()
-    return tallies
-
-
-def sha256_file(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------- output
@@ -344,12 +259,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for engine in engines.values():  # warm-up: first-call costs stay out of the timings
         engine.generate(prompts[domains[0]][:1], 4, stop_token_ids=[])
 
-    load_before = os.getloadavg()
+    env = environment(device, args.dtype)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     for domain in domains:
-        tallies = run_domain(
+        tallies = decode_prompts(
             engines, prompts[domain], args.new_tokens, args.batch_size, stops, desc=domain
         )
         reference = tallies["ar"]
@@ -383,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "budget": budget,
                 "topk": engines[label].topk if method == "ddtree" else None,
                 "tau": round(tally.tau, 4),
-                "tau_95ci": bootstrap_tau(tally),
+                "tau_95ci": bootstrap_interval(tally),
                 "steps": sum(tally.steps),
                 "accept_hist": tally.hist,
                 "tokens": tally.tokens,
@@ -408,25 +323,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     small_pair = args.target.resolve() == (SMALL_PAIR_DIR / "target").resolve()
     record: dict[str, Any] = {
-        "command": " ".join(
-            ["python", "benchmarks/acceptance.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": command_line("benchmarks/acceptance.py", argv),
         "pair": "small pair" if small_pair else args.target.name,
         "target": str(args.target),
         "drafter": str(args.drafter),
         "target_weights_sha256": sha256_file(args.target / "model.safetensors"),
         "drafter_weights_sha256": sha256_file(args.drafter / "model.safetensors"),
         "env": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "device": str(device),
-            "dtype": args.dtype,
-            "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_average_before": [round(x, 2) for x in load_before],
+            **env,
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "benchmark_wall_s": round(elapsed, 1),
         },
@@ -438,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "greedy": True,
             "stop_at_eos": not args.ignore_eos,
             "chain_depth": drafter.block_size - 1,
-            "ddtree_topk": "min(budget, 64)",
+            "ddtree_topk": "budget",
         },
         "domains": {
             d: {

@@ -34,8 +34,8 @@ included), pooled over every step of every request; ``tok_s`` = generated tokens
 of the method's ``generate`` calls and ``speedup_vs_chain`` its ratio to the chain's (the
 methods take turns batch by batch, so that a change of machine load hits all alike);
 ``step_ms`` = mean wall time of one batched decode step (draft, tree, graft, verify,
-accept), ``draft_ms`` = its draft + tree + graft part, and the same in process CPU time
-(``*_cpu_ms``, all threads; steadier on a shared machine); and a paired bootstrap over
+accept, commit), ``draft_ms`` = its draft + tree + graft part (the decode step's own phase
+timer); and a paired bootstrap over
 prompts (95% interval) of each policy's tau relative to ddtree and to the chain, and of
 unified's relative to stage -- decoding is deterministic, so the noise that matters is the
 choice of prompts. ``prompt_bigram_coverage`` says how much each domain's continuation reuses
@@ -60,14 +60,11 @@ import itertools
 import json
 import os
 import platform
-import random
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from common import RESULTS, Tally, bootstrap_interval, command_line, decode_prompts
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target
@@ -87,7 +84,6 @@ SHORT = {
     "ddtree-graft-unified": "unified",
 }
 CHAT_DOMAINS = ("code", "math", "chat", "chat-2turn")
-RESULTS = Path(__file__).parent / "results"
 DEFAULT_OUT = RESULTS / "graft_acceptance_cpu.json"
 
 
@@ -176,22 +172,6 @@ def chat_training_prompts(tokenizer, count: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------------ running
 
 
-def _timed_steps(engine: SpecEngine) -> dict[str, list[tuple[float, float]]]:
-    """Log (wall, process CPU) seconds of every batched step and its draft part."""
-    logs: dict[str, list[tuple[float, float]]] = {"step": [], "draft": []}
-    for name, log in (("_step", logs["step"]), ("_draft_tree", logs["draft"])):
-        inner = getattr(engine, name)
-
-        def timed(*args, _inner=inner, _log=log, **kwargs):
-            wall, cpu = time.perf_counter(), time.process_time()
-            out = _inner(*args, **kwargs)
-            _log.append((time.perf_counter() - wall, time.process_time() - cpu))
-            return out
-
-        setattr(engine, name, timed)  # instance attribute: this engine only
-    return logs
-
-
 def run(
     engines: dict[str, SpecEngine],
     prompts: list[list[int]],
@@ -199,50 +179,27 @@ def run(
     batch: int,
     stops: list[int] | None,
     desc: str = "",
-) -> dict[str, dict]:
-    """Greedy decoding of ``prompts`` by every engine, taking turns batch by batch: pooled
-    tau, tokens per second, per-prompt counts and step times per engine. ``desc`` labels the
-    progress bar (one tick per engine per batch)."""
-    logs = {label: _timed_steps(engine) for label, engine in engines.items()}
-    tallies = {
-        label: {"steps": [], "committed": [], "outputs": [], "wall": 0.0} for label in engines
+) -> dict[str, Tally]:
+    """Greedy decoding of ``prompts`` by every engine (:func:`common.decode_prompts`)."""
+    return decode_prompts(engines, prompts, new_tokens, batch, stops, desc)
+
+
+def cell_of(tally: Tally) -> dict:
+    """One method's record: pooled tau, tokens per second, per-prompt counts, step times
+    (from the engine's phase timer: ``draft_ms`` is the draft + tree part)."""
+    return {
+        "tau": round(tally.tau, 4),
+        "steps": sum(tally.steps),
+        "batch_steps": tally.batch_steps,
+        "tokens": tally.tokens,
+        "tok_s": round(tally.tok_s, 2),
+        "step_ms": round(tally.step_ms(), 2),
+        "draft_ms": round(tally.step_ms("draft", "tree"), 2),
+        "wall_s": round(tally.wall_s, 2),
+        "cpu_s": round(tally.cpu_s, 2),
+        "per_prompt_steps": tally.steps,
+        "per_prompt_committed": tally.committed,
     }
-    batches = range(0, len(prompts), batch)
-    progress = tqdm(total=len(batches) * len(engines), desc=desc, unit="batch", leave=False)
-    for i in batches:
-        for label, engine in engines.items():
-            progress.set_postfix_str(label)
-            tally = tallies[label]
-            start = time.perf_counter()
-            results = engine.generate(prompts[i : i + batch], new_tokens, stop_token_ids=stops)
-            tally["wall"] += time.perf_counter() - start
-            for result in results:
-                stats = result.stats
-                tally["steps"].append(stats.steps)
-                tally["committed"].append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
-                tally["outputs"].append(result.tokens)
-            progress.update()
-    progress.close()
-    out = {}
-    for label, tally in tallies.items():
-        step_s, draft_s = logs[label]["step"], logs[label]["draft"]
-        tokens = sum(len(o) for o in tally["outputs"])
-        out[label] = {
-            "tau": round(sum(tally["committed"]) / sum(tally["steps"]), 4),
-            "steps": sum(tally["steps"]),
-            "batch_steps": len(step_s),
-            "tokens": tokens,
-            "tok_s": round(tokens / tally["wall"], 2),
-            "step_ms": round(1e3 * sum(w for w, _ in step_s) / len(step_s), 2),
-            "draft_ms": round(1e3 * sum(w for w, _ in draft_s) / len(draft_s), 2),
-            "step_cpu_ms": round(1e3 * sum(c for _, c in step_s) / len(step_s), 2),
-            "draft_cpu_ms": round(1e3 * sum(c for _, c in draft_s) / len(draft_s), 2),
-            "wall_s": round(tally["wall"], 2),
-            "per_prompt_steps": tally["steps"],
-            "per_prompt_committed": tally["committed"],
-            "_outputs": tally["outputs"],
-        }
-    return out
 
 
 def calibrate(
@@ -273,24 +230,7 @@ def warm_edges(
     """Edge acceptance counts of a ``ddtree-graft-unified`` engine after decoding ``prompts``,
     and the batched steps it counted."""
     unified = run({"unified": engine}, prompts, new_tokens, batch, stops, desc)["unified"]
-    return engine.edge_acceptance.state_dict(), unified["batch_steps"]
-
-
-def bootstrap_ratio(num: dict, den: dict, resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95% interval of ``tau(num) / tau(den)`` under a paired bootstrap over prompts."""
-    rng = random.Random(seed)
-    n = len(num["per_prompt_steps"])
-    ratios = []
-    for _ in range(resamples):
-        pick = [rng.randrange(n) for _ in range(n)]
-        tau = [
-            sum(r["per_prompt_committed"][i] for i in pick)
-            / sum(r["per_prompt_steps"][i] for i in pick)
-            for r in (num, den)
-        ]
-        ratios.append(tau[0] / tau[1])
-    ratios.sort()
-    return [round(ratios[int(0.025 * resamples)], 4), round(ratios[int(0.975 * resamples)], 4)]
+    return engine.edge_acceptance.state_dict(), unified.batch_steps
 
 
 def prompt_bigram_coverage(prompts: list[list[int]], outputs: list[list[int]]) -> float:
@@ -433,14 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"a {name} prompt does not fit the target's {limit} positions")
 
     omp = os.environ.get("OMP_WAIT_POLICY")
-    command = " ".join(
-        [
-            *([f"OMP_WAIT_POLICY={omp}"] if omp else []),
-            "python",
-            "benchmarks/graft_acceptance.py",
-            *(sys.argv[1:] if argv is None else argv),
-        ]
-    )
+    command = command_line("benchmarks/graft_acceptance.py", argv)
     settings = {
         "prompts_per_domain": args.prompts,
         "train_prompts": len(train),
@@ -535,30 +468,30 @@ def main(argv: list[str] | None = None) -> dict:
                 for method in METHODS
             }
             engines["ddtree-graft-unified"].edge_acceptance.load_state_dict(edges_state)
-            cell = run(
+            tallies = run(
                 engines, prompts, args.new_tokens, args.batch_size, stops, f"B={budget} {name}"
             )
+            cell = {method: cell_of(tallies[method]) for method in METHODS}
             for method in METHODS:
                 r = cell[method]
                 r["speedup_vs_chain"] = round(r["tok_s"] / cell["chain"]["tok_s"], 3)
                 print(
                     f"B={budget:3d} {name:10s} {method:22s} tau={r['tau']:.3f} "
                     f"{r['tok_s']:.1f} tok/s ({r['speedup_vs_chain']:.2f}x chain) "
-                    f"step={r['step_ms']:.1f} ms (draft+tree+graft {r['draft_ms']:.1f}), "
-                    f"CPU {r['step_cpu_ms']:.1f} ms ({r['draft_cpu_ms']:.1f})",
+                    f"step={r['step_ms']:.1f} ms (draft+tree+graft {r['draft_ms']:.1f})",
                     flush=True,
                 )
-            outputs = [cell[m].pop("_outputs") for m in METHODS]
+            outputs = [tallies[m].outputs for m in METHODS]
             if any(o != outputs[0] for o in outputs):
                 raise AssertionError(f"greedy outputs differ between methods on {name}")
             coverage[name] = prompt_bigram_coverage(prompts, outputs[0])
-            chain, ddtree, stage_r, unified = (cell[m] for m in METHODS)
+            chain, ddtree, stage_r, unified = (tallies[m] for m in METHODS)
             cell["tau_ratio_95ci"] = {
-                "ddtree/chain": bootstrap_ratio(ddtree, chain),
-                "stage/ddtree": bootstrap_ratio(stage_r, ddtree),
-                "unified/ddtree": bootstrap_ratio(unified, ddtree),
-                "unified/stage": bootstrap_ratio(unified, stage_r),
-                "unified/chain": bootstrap_ratio(unified, chain),
+                "ddtree/chain": bootstrap_interval(ddtree, chain),
+                "stage/ddtree": bootstrap_interval(stage_r, ddtree),
+                "unified/ddtree": bootstrap_interval(unified, ddtree),
+                "unified/stage": bootstrap_interval(unified, stage_r),
+                "unified/chain": bootstrap_interval(unified, chain),
             }
             row["domains"][name] = cell
             if not any(r is row for r in results):

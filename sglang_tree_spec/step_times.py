@@ -72,6 +72,15 @@ class PhaseTimer:
             self.report(self.summary())
             self._totals, self._steps, self._rows = {}, 0, 0
 
+    @property
+    def steps(self) -> int:
+        """Steps since the last report (all steps when nothing reports)."""
+        return self._steps
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase over :attr:`steps`."""
+        return dict(self._totals)
+
     def summary(self) -> str:
         """One line: mean ms and share of the step per phase since the last report."""
         step = sum(self._totals.values())

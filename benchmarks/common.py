@@ -1,0 +1,163 @@
+"""What the reference-engine benchmarks share: the run loop, statistics, environment record.
+
+* :func:`decode_prompts` decodes prompts with several engines, batch by batch, the engines
+  taking turns (a change of machine load hits all alike), into one :class:`Tally` per engine;
+  step times come from each engine's own phase timer (the decode step's, no patching).
+* :func:`bootstrap_interval` gives 95% intervals of pooled tau, or of a ratio of two pooled
+  taus, under a (paired) bootstrap over prompts: decoding is deterministic, so the noise that
+  matters is the choice of prompts.
+* :func:`environment` records the versions, device, threads and load of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from sglang_tree_spec.engine import SpecEngine
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class Tally:
+    """Outputs, step counts and times of one engine over the batches of a run."""
+
+    def __init__(self) -> None:
+        self.outputs: list[list[int]] = []
+        self.steps: list[int] = []  # per prompt: decode steps
+        self.committed: list[int] = []  # per prompt: accepted + bonus over its steps
+        self.hist: list[int] = []  # pooled accept_hist
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+        self.batch_steps = 0  # batched decode steps
+        self.phase_s: dict[str, float] = {}  # seconds per phase of the batched steps
+
+    def add(self, results, wall: float, cpu: float) -> None:
+        self.wall_s += wall
+        self.cpu_s += cpu
+        for result in results:
+            stats = result.stats
+            self.outputs.append(result.tokens)
+            self.steps.append(stats.steps)
+            self.committed.append(sum((n + 1) * c for n, c in enumerate(stats.accept_hist)))
+            if len(stats.accept_hist) > len(self.hist):
+                self.hist.extend([0] * (len(stats.accept_hist) - len(self.hist)))
+            for n, c in enumerate(stats.accept_hist):
+                self.hist[n] += c
+
+    @property
+    def tau(self) -> float:
+        return sum(self.committed) / max(sum(self.steps), 1)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.wall_s, 1e-9)
+
+    def step_ms(self, *phases: str) -> float:
+        """Mean ms per batched step in ``phases`` (all of them when none is named)."""
+        names = phases or tuple(self.phase_s)
+        return 1e3 * sum(self.phase_s.get(p, 0.0) for p in names) / max(self.batch_steps, 1)
+
+
+def decode_prompts(
+    engines: dict[str, SpecEngine],
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch_size: int,
+    stops: list[int] | None,
+    desc: str = "",
+) -> dict[str, Tally]:
+    """Greedy decoding of ``prompts`` by every engine, batch by batch, the engines taking
+    turns. ``desc`` labels the progress bar (one tick per engine per batch)."""
+    tallies = {label: Tally() for label in engines}
+    starts = range(0, len(prompts), batch_size)
+    progress = tqdm(total=len(starts) * len(engines), desc=desc, unit="batch", leave=False)
+    for start in starts:
+        batch = prompts[start : start + batch_size]
+        for label, engine in engines.items():
+            progress.set_postfix_str(label)
+            steps_before, phases_before = engine.timer.steps, engine.timer.totals()
+            wall, cpu = time.perf_counter(), time.process_time()
+            results = engine.generate(batch, new_tokens, stop_token_ids=stops)
+            tally = tallies[label]
+            tally.add(results, time.perf_counter() - wall, time.process_time() - cpu)
+            tally.batch_steps += engine.timer.steps - steps_before
+            for phase, seconds in engine.timer.totals().items():
+                spent = seconds - phases_before.get(phase, 0.0)
+                tally.phase_s[phase] = tally.phase_s.get(phase, 0.0) + spent
+            progress.update()
+    progress.close()
+    return tallies
+
+
+def bootstrap_interval(
+    num: Tally, den: Tally | None = None, resamples: int = 2000, seed: int = 0
+) -> list[float]:
+    """95% interval of pooled tau of ``num`` (or of ``tau(num) / tau(den)``, paired) under a
+    bootstrap over prompts."""
+    rng = random.Random(seed)
+    n = len(num.steps)
+    values = []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        taus = [
+            sum(t.committed[i] for i in pick) / max(sum(t.steps[i] for i in pick), 1)
+            for t in (num, den) if t is not None
+        ]  # fmt: skip
+        values.append(taus[0] / taus[1] if den is not None else taus[0])
+    values.sort()
+    return [round(values[int(0.025 * resamples)], 4), round(values[int(0.975 * resamples)], 4)]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the shorter length if one is a prefix)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def sha256_file(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces this run (``OMP_WAIT_POLICY`` included when set)."""
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join([*([f"OMP_WAIT_POLICY={omp}"] if omp else []), "python", script, *args])
+
+
+def environment(device: torch.device | str, dtype: str = "float32") -> dict:
+    """Versions, device, threads and load average at the start of a run."""
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "dtype": dtype,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+    }
