@@ -137,3 +137,18 @@ def test_cli_options_cover_the_config():
     add_build_small_pair_args(parser)
     args = parser.parse_args(["--out", "x", "--block-size", "16", "--target-lr", "1e-3"])
     assert (args.block_size, args.target_lr, args.seed) == (16, 1e-3, 0)
+
+
+def test_heldout_prompts_are_shipped_not_read_from_this_python(monkeypatch):
+    """The demo's and tests' held-out prompts come from the package, so every machine gets the
+    same text (a fresh Debian Python 3.11.2 once printed another tau)."""
+    from sglang_tree_spec.models import small_pair
+
+    def no_stdlib(*args, **kwargs):
+        raise AssertionError("read the local stdlib")
+
+    monkeypatch.setattr(small_pair, "corpus_files", no_stdlib)
+    prompts = small_pair.heldout_prompts(24)
+    assert len(prompts) == 24 and len(set(prompts)) == 24
+    with pytest.raises(AssertionError, match="local stdlib"):
+        small_pair.heldout_prompts(24, heldout_percent=10)  # another split: the live stdlib

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import gzip
 import hashlib
 import json
 import math
@@ -58,6 +59,7 @@ EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 BUILD_NAME = "BUILD.json"
 SMALL_PAIR_DIR = Path(__file__).resolve().parents[1] / "assets" / "small-pair"
+HELDOUT_PROMPTS_FILE = "heldout_prompts.json.gz"
 
 # Directories never read (tests, third-party code, caches) and file-name prefixes of
 # machine-specific modules.
@@ -223,13 +225,28 @@ def function_prompts(text: str, context_lines: int = 24, max_chars: int = 1200) 
 
 def heldout_prompts(count: int = 64, heldout_percent: int = 5, max_chars: int = 1200) -> list[str]:
     """``count`` function prompts (see :func:`function_prompts`) spread over the held-out files
-    of the running interpreter's stdlib: text never seen in training."""
-    prompts = [
-        prompt
-        for file in corpus_files("heldout", heldout_percent)
-        for prompt in function_prompts(file.text, max_chars=max_chars)
-    ]
+    of the stdlib: text never seen in training.
+
+    With the default split and length, the prompts are the ones shipped with the package
+    (``assets/small-pair/heldout_prompts.json.gz``, cut from CPython 3.11.7's stdlib), so the
+    demo, tests and benchmarks see the same text on every machine; other settings read the
+    running interpreter's stdlib."""
+    if (heldout_percent, max_chars) == (5, 1200):
+        prompts = shipped_heldout_prompts()
+    else:
+        prompts = [
+            prompt
+            for file in corpus_files("heldout", heldout_percent)
+            for prompt in function_prompts(file.text, max_chars=max_chars)
+        ]
     return _evenly_spaced(prompts, count)
+
+
+@functools.cache
+def shipped_heldout_prompts() -> list[str]:
+    """Every held-out function prompt shipped with the package (see :func:`heldout_prompts`)."""
+    with gzip.open(SMALL_PAIR_DIR / HELDOUT_PROMPTS_FILE, "rt", encoding="utf-8") as stream:
+        return json.load(stream)["prompts"]
 
 
 # ---------------------------------------------------------------------------------------------
