@@ -15,9 +15,10 @@ import hashlib
 import os
 import platform
 import random
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -161,3 +162,33 @@ def environment(device: torch.device | str, dtype: str = "float32") -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def paired_medians(
+    before: Callable[[], object],
+    after: Callable[[], object],
+    repeats: int,
+    block: int,
+    device: str,
+) -> tuple[float, float, float]:
+    """Median ms of two callables and the median before/after ratio, timed in alternating
+    blocks of ``block`` warm calls (a change of machine load hits both alike)."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+    def once(fn: Callable[[], object]) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    def block_median(fn: Callable[[], object]) -> float:
+        return statistics.median(once(fn) for _ in range(block))
+
+    once(before), once(after)  # warm-up: caches, allocator, kernel selection
+    pairs = [(block_median(before), block_median(after)) for _ in range(repeats)]
+    return (
+        statistics.median(b for b, _ in pairs),
+        statistics.median(a for _, a in pairs),
+        statistics.median(b / a for b, a in pairs),
+    )

@@ -20,12 +20,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import paired_medians
 
 from sglang_tree_spec.tree import build_ddtree, build_ddtree_reference
 
@@ -43,44 +41,16 @@ def draft_marginals(bs: int, k: int, device: str, seed: int) -> tuple[torch.Tens
     return lp.to(device), tok.to(device)
 
 
-def paired_medians(
-    heap: Callable[[], object],
-    batched: Callable[[], object],
-    repeats: int,
-    block: int,
-    device: str,
-) -> tuple[float, float, float]:
-    """Median ms of each builder and the median heap/batched ratio over alternating blocks."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def once(fn: Callable[[], object]) -> float:
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        return (time.perf_counter() - start) * 1e3
-
-    def block_median(fn: Callable[[], object]) -> float:
-        return statistics.median(once(fn) for _ in range(block))
-
-    once(heap), once(batched)  # warm-up: caches, allocator, kernel selection
-    pairs = [(block_median(heap), block_median(batched)) for _ in range(repeats)]
-    return (
-        statistics.median(h for h, _ in pairs),
-        statistics.median(b for _, b in pairs),
-        statistics.median(h / b for h, b in pairs),
-    )
-
-
 def run(device: str, repeats: int, block: int) -> list[dict]:
     rows = []
+    prune = device == "cpu"  # the builder the serving path picks on host tensors
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()}")
     print(f"{'bs':>3} {'B':>5} {'K':>3} {'heap ms':>9} {'batched ms':>11} {'ratio':>7}")
     for bs in BATCH_SIZES:
         for budget in BUDGETS:
             k = min(budget, 64)
             lp, tok = draft_marginals(bs, k, device, seed=bs * 10_000 + budget)
-            fast = build_ddtree(lp, tok, budget, validate=False)
+            fast = build_ddtree(lp, tok, budget, validate=False, prune=prune)
             heap = build_ddtree_reference(lp, tok, budget, validate=False)
             # Same node multiset (exact float ties within a depth may be ordered differently).
             if not torch.equal(
@@ -91,7 +61,9 @@ def run(device: str, repeats: int, block: int) -> list[dict]:
                 lambda lp=lp, tok=tok, budget=budget: build_ddtree_reference(
                     lp, tok, budget, validate=False
                 ),
-                lambda lp=lp, tok=tok, budget=budget: build_ddtree(lp, tok, budget, validate=False),
+                lambda lp=lp, tok=tok, budget=budget: build_ddtree(
+                    lp, tok, budget, validate=False, prune=prune
+                ),
                 repeats,
                 block,
                 device,
