@@ -47,6 +47,7 @@ from sglang_tree_spec.control.controller import (
     ControlConfig,
     ControlStats,
     Forecast,
+    best_budget,
 )
 from sglang_tree_spec.control.latency import (
     DEFAULT_BS_BUCKETS,
@@ -87,6 +88,7 @@ __all__ = [
     "LatencyModel",
     "ModelShape",
     "RankedNodes",
+    "best_budget",
     "candidate_budgets",
     "dflash_drafter",
     "expected_accept",

@@ -22,6 +22,30 @@ from sglang_tree_spec.control.surrogate import (
 )
 
 
+def best_budget(
+    committed: list[float],
+    seconds: list[float],
+    budgets: tuple[int, ...],
+    max_budget: int | None = None,
+    tie_rtol: float = 1e-6,
+) -> int:
+    """Host argmax of committed[c] / seconds[c] over ``budgets`` (sorted ascending), ties
+    (within ``tie_rtol``) toward the smaller budget; budgets above ``max_budget`` skipped.
+
+    Args:
+        committed: ``[C]`` predicted committed tokens of the batch, sum_i (1 + A_i(N)).
+        seconds: ``[C]`` step time C(bs, N).
+    """
+    best, best_rate = budgets[0], -1.0
+    for column, budget in enumerate(budgets):
+        if max_budget is not None and budget > max_budget:
+            break
+        rate = committed[column] / seconds[column]
+        if rate > best_rate * (1.0 + tie_rtol):
+            best, best_rate = budget, rate
+    return best
+
+
 @dataclass(frozen=True)
 class ControlConfig:
     """Attributes:
@@ -176,14 +200,13 @@ class BudgetController:
             return self._count(0)
         self._steps_since_draft = 0
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
-        seconds = self.latency.row(bs)
-        best, best_rate = 0, -1.0
-        for column, budget in enumerate(self.config.budgets):
-            if budget > forecast.tree_budget:
-                break
-            rate = totals[column] / seconds[column]
-            if rate > best_rate * (1.0 + self.config.tie_rtol):
-                best, best_rate = budget, rate
+        best = best_budget(
+            totals,
+            self.latency.row(bs),
+            self.config.budgets,
+            max_budget=forecast.tree_budget,
+            tie_rtol=self.config.tie_rtol,
+        )
         return self._count(best)
 
     def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
