@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_requests import assert_refused_and_still_serving
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -245,6 +246,19 @@ def test_cpu_server_ran_the_plugin_in_every_process(cpu_server):
     assert info["device"] == "cpu"
     assert info["speculative_algorithm"] is None
     assert info["speculative_ddtree_topk"] is None
+
+
+def test_cpu_server_refuses_hostile_requests_and_keeps_serving(cpu_server):
+    """Issue 19 without speculation: one ``input_ids`` entry outside ``[0, 128)`` killed the
+    scheduler; now every hostile request gets a 4xx and the outputs stay the same."""
+    base_url, _, _ = cpu_server
+
+    def reference() -> list[list[int]]:
+        return [item["output_ids"] for item in greedy_generate(base_url, PROMPTS)]
+
+    assert_refused_and_still_serving(base_url, VOCAB, reference)
+    # The edges of the vocabulary are still valid ids.
+    assert len(greedy_generate(base_url, [[0, VOCAB - 1]])[0]["output_ids"]) == MAX_NEW_TOKENS
 
 
 def test_ddtree_on_a_qwen3_target_equals_transformers(tiny_model, tmp_path):

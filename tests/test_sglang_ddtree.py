@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_requests import assert_refused_and_still_serving
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -233,6 +234,21 @@ def test_ddtree_refuses_penalties_it_cannot_apply_exactly(ddtree_server, prompts
         message = refused.value.read().decode()
         assert f"DDTREE speculative decoding does not support {reason}" in message
     assert ddtree_server.greedy(prompts[:2], 2) == baseline["sequential"][:2]
+
+
+def test_ddtree_refuses_hostile_requests_and_keeps_serving(ddtree_server, pair, prompts, baseline):
+    """Issue 19 under DDTREE: an input id outside the vocabulary (or negative) killed the server;
+    now every hostile request gets a 4xx, and a greedy request before, between and after them
+    gets the no-speculation output."""
+    vocab = json.loads((pair["target"] / "config.json").read_text())["vocab_size"]
+    expected = baseline["sequential"][0][:8]
+
+    def reference() -> list[int]:
+        output = ddtree_server.generate(prompts[0], max_new_tokens=8)["output_ids"]
+        assert output == expected
+        return output
+
+    assert_refused_and_still_serving(ddtree_server.base_url, vocab, reference)
 
 
 def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):

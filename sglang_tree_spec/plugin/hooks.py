@@ -78,6 +78,12 @@ def _refuse_inexact_requests() -> Callable[..., str | None]:
     return refuse_inexact_requests
 
 
+def _refuse_out_of_vocab_input_ids() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.admission import refuse_out_of_vocab_input_ids
+
+    return refuse_out_of_vocab_input_ids
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -116,6 +122,14 @@ HOOKS: tuple[Hook, ...] = (
         patch="0013-dflash-refuses-penalties.diff",
         reason="DFlash-family decode ignores penalties and min_new_tokens; refuse such requests "
         "rather than change their output",
+    ),
+    Hook(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        kind="BEFORE",
+        make=_refuse_out_of_vocab_input_ids,
+        patch="0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff",
+        reason="input_ids outside [0, vocab_size) reach the embedding unchecked and kill the "
+        "scheduler (any server, speculative or not); refuse them at admission (HTTP 400)",
     ),
     Hook(
         target="sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__",

@@ -1,0 +1,101 @@
+"""Budget control: the batch's tree size chosen every step from predicted accepted tokens/s.
+
+Pure torch (imports only torch and :mod:`sglang_tree_spec.tree`). One choice per step for the
+whole batch, over a fixed sorted set of candidate budgets (each (bs bucket, N) is one fixed
+shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
+
+* Surrogate (:mod:`.surrogate`): A_i(N) from ONE DDTree built at the largest candidate: the
+  first N nodes by score are the optimal N-tree (nesting), and its expected accepted length is
+  the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
+* Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
+  estimators rescale the surrogate toward the observed accepted lengths.
+* Latency (:mod:`.latency`): C(bs, N) = per-cell EMA of measured step times, else a roofline
+  prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
+* Budget 0 is a plain decode step (no drafter); the step skips drafting while auto keeps
+  choosing 0 and re-drafts every ``probe_every`` steps to re-forecast.
+
+Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``)::
+
+    ctl = BudgetController(
+        ControlConfig(budgets=candidate_budgets(max_budget), max_depth=block - 1),
+        LatencyModel.from_roofline(target_shape, DEVICES["h100"], budgets, drafter=..., block=...),
+        max_slots=pool_size, device=device)            # ControlConfig(fixed_budget=32): fixed
+    ctl.reset(new_rows)                                  # a request arrived in these slots
+    t0 = time.perf_counter()
+    drafted = ctl.should_draft()                         # host, no sync
+    if drafted:
+        tree = build_ddtree(lp, tok, ctl.config.max_budget)  # [bs, max_budget]
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)   # sync-free
+        n = ctl.choose(fc, bs)                           # host int: THE one host read
+        tree_n = top_nodes(tree, n) if n > 0 else None   # the optimal n-tree, no rebuild
+    else:
+        fc, n = None, ctl.choose(None, bs)               # 0: plain decode step
+    ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...
+    if fc is not None:
+        ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
+    ... the step's own end-of-step sync (committing tokens) ...
+    ctl.record_step(bs, n, time.perf_counter() - t0, drafted)   # host
+    ctl.stats()                                          # every K steps, for logs / metrics
+
+Fixed mode (``ControlConfig(fixed_budget=N)``) goes through the same calls, returns N from
+``choose`` with no host read, and needs no latency model.
+"""
+
+from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
+from sglang_tree_spec.control.controller import (
+    BudgetController,
+    ControlConfig,
+    ControlStats,
+    Forecast,
+    best_budget,
+)
+from sglang_tree_spec.control.latency import (
+    DEFAULT_BS_BUCKETS,
+    DEVICES,
+    MODEL_SHAPES,
+    DeviceSpec,
+    LatencyConfig,
+    LatencyModel,
+    ModelShape,
+    dflash_drafter,
+    forward_seconds,
+    layer_params,
+    roofline_step_seconds,
+)
+from sglang_tree_spec.control.surrogate import (
+    DEFAULT_BUDGETS,
+    RankedNodes,
+    candidate_budgets,
+    expected_accept,
+    prefix_sums_at,
+    rank_nodes,
+    top_nodes,
+)
+
+__all__ = [
+    "DEFAULT_BS_BUCKETS",
+    "DEFAULT_BUDGETS",
+    "DEVICES",
+    "MODEL_SHAPES",
+    "AcceptCalibrator",
+    "BudgetController",
+    "CalibrationConfig",
+    "ControlConfig",
+    "ControlStats",
+    "DeviceSpec",
+    "Forecast",
+    "LatencyConfig",
+    "LatencyModel",
+    "ModelShape",
+    "RankedNodes",
+    "best_budget",
+    "candidate_budgets",
+    "dflash_drafter",
+    "expected_accept",
+    "forward_seconds",
+    "layer_params",
+    "prefix_sums_at",
+    "rank_nodes",
+    "roofline_step_seconds",
+    "top_nodes",
+]

@@ -1,0 +1,115 @@
+"""Online calibration of the surrogate from acceptance history (DynaTree's history adaptation).
+
+The surrogate sum_u q(u) is the expected accepted length if the TARGET followed the drafter's
+marginals. It does not, so predictions are rescaled toward what verification observes, with two
+ratio estimators, both sync-free tensors updated after every verify:
+
+1. Per depth, pooled over all requests (``[L]``). The expected accepted length decomposes by
+   depth, E[accept] = sum_d P(accept >= d), and P(accept >= d) = sum of the target's probability
+   of the depth-d nodes, which the drafter predicts as the depth-d mass m_d = sum_{depth(u)=d}
+   q(u) of the verified tree. So each depth keeps exponentially decayed sums of predicted mass
+   M_d and of observed events O_d = #[accept >= d], and every depth-d node probability is scaled
+   by s_d = (O_d + c) / (M_d + c): the ratio-of-sums (ratio) estimator of
+   E[1(accept >= d)] / E[m_d], shrunk toward 1 by a pseudo-count c. Block-diffusion drafters
+   are over-confident deeper in the block (their marginals ignore the earlier positions' draws),
+   which this corrects where a single factor cannot.
+2. Per request (slot-indexed ``[max_slots]``): the residual ratio r_i = (O_i + c_r) / (P_i + c_r)
+   of decayed sums of request i's observed accepted lengths and its depth-calibrated predictions
+   (code vs chat, an easy vs a hard prompt). A new request starts at r = 1 (``reset``).
+
+Calibrated prediction for request i at budget N: A_i(N) = r_i * sum_{j < N} s_{d(j)} q(j) over
+the ranked nodes j, clipped to [0, L]. Both factors are positive, so A_i stays non-decreasing in
+N; since a ratio-of-sums estimator weights each step by its predicted mass, its fixed point
+makes the summed predictions equal the summed observations (unbiased in aggregate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Decays are per verify step (a window of about 1 / (1 - decay) steps).
+
+    Attributes:
+        depth_decay: per-depth pooled sums (every request of a step adds to them).
+        depth_prior: pseudo-count c of the per-depth ratio (in accepted tokens).
+        request_decay: per-request sums.
+        request_prior: pseudo-count c_r of the per-request ratio (in accepted tokens).
+    """
+
+    depth_decay: float = 0.98
+    depth_prior: float = 0.5
+    request_decay: float = 0.9
+    request_prior: float = 1.0
+
+
+class AcceptCalibrator:
+    """Per-depth x per-request calibration state for ``max_slots`` request slots, L depths."""
+
+    def __init__(
+        self,
+        max_slots: int,
+        max_depth: int,
+        config: CalibrationConfig = CalibrationConfig(),
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.max_depth = max_depth
+        self.depth_pred = torch.zeros(max_depth, device=device)  # [L] decayed M_d
+        self.depth_obs = torch.zeros(max_depth, device=device)  # [L] decayed O_d
+        self.req_pred = torch.zeros(max_slots, device=device)  # [S] decayed P_i
+        self.req_obs = torch.zeros(max_slots, device=device)  # [S] decayed O_i
+        self._depth_ids = torch.arange(1, max_depth + 1, device=device)  # [L]
+
+    def depth_scale(self) -> torch.Tensor:
+        """``[L]`` s_d."""
+        c = self.config.depth_prior
+        return (self.depth_obs + c) / (self.depth_pred + c)
+
+    def request_scale(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[bs]`` r_i for the batch's slots ``rows`` (``[bs]`` int64)."""
+        c = self.config.request_prior
+        return (self.req_obs[rows] + c) / (self.req_pred[rows] + c)
+
+    def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u)."""
+        index = (depths - 1).clamp(0, self.max_depth - 1)
+        return probs * self.depth_scale()[index]
+
+    def depth_mass(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """``[bs, L]`` predicted mass per depth of the given nodes (``[bs, n]`` each)."""
+        index = (depths - 1).clamp(0, self.max_depth - 1)
+        mass = probs.new_zeros(probs.shape[0], self.max_depth)
+        return mass.scatter_add_(1, index, probs)
+
+    def update(
+        self,
+        rows: torch.Tensor,
+        mass: torch.Tensor,
+        calibrated_pred: torch.Tensor,
+        accept_len: torch.Tensor,
+    ) -> None:
+        """Fold in one verified step.
+
+        Args:
+            rows: ``[bs]`` int64 request slots.
+            mass: ``[bs, L]`` raw predicted mass per depth of the VERIFIED tree.
+            calibrated_pred: ``[bs]`` depth-calibrated prediction (before r) of that tree.
+            accept_len: ``[bs]`` accepted draft tokens (bonus excluded).
+        """
+        cfg = self.config
+        accept = accept_len.to(mass.dtype)
+        observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L]
+        self.depth_pred.mul_(cfg.depth_decay).add_(mass.sum(0))
+        self.depth_obs.mul_(cfg.depth_decay).add_(observed.sum(0))
+        self.req_pred[rows] = self.req_pred[rows] * cfg.request_decay + calibrated_pred
+        self.req_obs[rows] = self.req_obs[rows] * cfg.request_decay + accept
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""
+        self.req_pred[rows] = 0.0
+        self.req_obs[rows] = 0.0

@@ -1,0 +1,254 @@
+"""The budget controller: one choice per decode step for the whole batch.
+
+N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N) over the candidate budgets, A_i the calibrated
+surrogate of request i, ties toward the smaller budget. The objective is the batch's predicted
+committed tokens per second. At bs = 1 it is BASTION's rule; at large bs the target forward turns
+compute-bound, C(bs, N) grows with bs * (N + 1) and N* shrinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
+from sglang_tree_spec.control.latency import LatencyModel
+from sglang_tree_spec.control.surrogate import (
+    DEFAULT_BUDGETS,
+    budget_index,
+    prefix_sums_at,
+    rank_nodes,
+)
+
+
+def best_budget(
+    committed: list[float],
+    seconds: list[float],
+    budgets: tuple[int, ...],
+    max_budget: int | None = None,
+    tie_rtol: float = 1e-6,
+) -> int:
+    """Host argmax of committed[c] / seconds[c] over ``budgets`` (sorted ascending), ties
+    (within ``tie_rtol``) toward the smaller budget; budgets above ``max_budget`` skipped.
+
+    Args:
+        committed: ``[C]`` predicted committed tokens of the batch, sum_i (1 + A_i(N)).
+        seconds: ``[C]`` step time C(bs, N).
+    """
+    best, best_rate = budgets[0], -1.0
+    for column, budget in enumerate(budgets):
+        if max_budget is not None and budget > max_budget:
+            break
+        rate = committed[column] / seconds[column]
+        if rate > best_rate * (1.0 + tie_rtol):
+            best, best_rate = budget, rate
+    return best
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Attributes:
+    budgets: sorted candidate budgets (use :func:`candidate_budgets`); 0 = plain decode.
+    fixed_budget: None = auto; a number = always that budget (no reads, no latency needed).
+    max_depth: L, drafted positions per step (the drafter's block - 1).
+    probe_every: while auto keeps choosing 0, draft (and re-forecast) every this many steps.
+    tie_rtol: objectives within this relative margin of the best count as ties.
+    calibration: the acceptance calibration's decays and priors.
+    """
+
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    fixed_budget: int | None = None
+    max_depth: int = 15
+    probe_every: int = 16
+    tie_rtol: float = 1e-6
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+    def __post_init__(self) -> None:
+        budgets = list(self.budgets)
+        if not budgets or budgets != sorted(set(budgets)) or budgets[0] < 0:
+            raise ValueError(f"budgets must be sorted, distinct and >= 0: {self.budgets}")
+        if self.fixed_budget is not None and self.fixed_budget < 0:
+            raise ValueError(f"fixed_budget must be >= 0, got {self.fixed_budget}")
+
+    @property
+    def max_budget(self) -> int:
+        """The tree size to build each drafted step (every candidate is a prefix of it)."""
+        return self.fixed_budget if self.fixed_budget is not None else self.budgets[-1]
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Predictions for one drafted step, from :meth:`BudgetController.forecast`.
+
+    Attributes:
+        rows: ``[bs]`` int64 request slots.
+        probs: ``[bs, B]`` ranked raw node probabilities (descending).
+        depths: ``[bs, B]`` their depths.
+        weights: ``[bs, B]`` depth-calibrated ranked node probabilities.
+        request_scale: ``[bs]`` per-request calibration factor r_i.
+        accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
+    """
+
+    rows: torch.Tensor
+    probs: torch.Tensor
+    depths: torch.Tensor
+    weights: torch.Tensor
+    request_scale: torch.Tensor
+    accept: torch.Tensor
+
+    @property
+    def tree_budget(self) -> int:
+        return self.probs.shape[1]
+
+
+@dataclass(frozen=True)
+class ControlStats:
+    """Observability snapshot (reading it synchronises: call it for logs, not every step).
+
+    Attributes:
+        last_budget: the last step's budget (None before the first).
+        mean_predicted_accept / mean_observed_accept: over every verified request-step, the
+            calibrated prediction at the verified budget and the observed accepted draft tokens.
+        request_steps: how many request-steps those means cover.
+        budget_counts: steps per chosen budget.
+        depth_scale: per-depth calibration factors s_d.
+        latency_mean_abs_rel_error: of predicted vs measured step times.
+    """
+
+    last_budget: int | None
+    mean_predicted_accept: float
+    mean_observed_accept: float
+    request_steps: int
+    budget_counts: dict[int, int]
+    depth_scale: list[float]
+    latency_mean_abs_rel_error: float
+
+
+class BudgetController:
+    """Chooses each step's budget; holds the calibration (device) and latency (host) state."""
+
+    def __init__(
+        self,
+        config: ControlConfig,
+        latency: LatencyModel | None,
+        max_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if config.fixed_budget is None:
+            if latency is None:
+                raise ValueError("auto budget control needs a latency model")
+            if latency.budgets != config.budgets:
+                raise ValueError(f"latency budgets {latency.budgets} != {config.budgets}")
+        self.config = config
+        self.latency = latency
+        self.calibrator = AcceptCalibrator(max_slots, config.max_depth, config.calibration, device)
+        self._budgets_t = budget_index(config.budgets, device)  # [C]
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # pred, obs, count
+        self.last_budget: int | None = None
+        self.budget_counts: dict[int, int] = {}
+        self._steps_since_draft = 0
+
+    @property
+    def auto(self) -> bool:
+        return self.config.fixed_budget is None
+
+    def should_draft(self) -> bool:
+        """Host only. False while auto keeps choosing 0 (except every ``probe_every`` steps):
+        a plain decode step then skips the drafter entirely."""
+        if not self.auto:
+            return self.config.fixed_budget > 0
+        if self.last_budget != 0:
+            return True
+        return self._steps_since_draft + 1 >= self.config.probe_every
+
+    def forecast(
+        self,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        depths: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> Forecast:
+        """Sync-free predictions from the step's tree (``DraftTree`` fields, ``[bs, B]``).
+
+        Build the tree at ``config.max_budget``; every candidate is its top-N prefix.
+        """
+        ranked = rank_nodes(logprobs, depths, valid)
+        weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
+        scale = self.calibrator.request_scale(rows)  # [bs]
+        accept = prefix_sums_at(weights, self._budgets_t) * scale.unsqueeze(1)
+        accept = accept.clamp(0.0, float(self.config.max_depth))  # [bs, C]
+        return Forecast(rows, ranked.probs, ranked.depths, weights, scale, accept)
+
+    def _count(self, budget: int) -> int:
+        self.last_budget = budget
+        self.budget_counts[budget] = self.budget_counts.get(budget, 0) + 1
+        return budget
+
+    def choose(self, forecast: Forecast | None, bs: int) -> int:
+        """The step's budget as a host int.
+
+        Auto with a forecast: ONE host read of the ``[C]`` batch totals sum_i (1 + A_i(N)),
+        then the argmax of totals / C(bs, N) on the host. Candidates above the tree's size are
+        skipped. ``forecast=None`` (a step that did not draft): 0. Fixed mode: the fixed
+        budget, no read.
+        """
+        if not self.auto:
+            return self._count(self.config.fixed_budget)
+        if forecast is None:
+            self._steps_since_draft += 1
+            return self._count(0)
+        self._steps_since_draft = 0
+        totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
+        best = best_budget(
+            totals,
+            self.latency.row(bs),
+            self.config.budgets,
+            max_budget=forecast.tree_budget,
+            tie_rtol=self.config.tie_rtol,
+        )
+        return self._count(best)
+
+    def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
+        """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
+        nodes). ``accept_len``: ``[bs]`` accepted draft tokens, bonus excluded. A budget-0
+        step carries no information and is skipped."""
+        n = min(budget, forecast.tree_budget)
+        if n <= 0:
+            return
+        cal = self.calibrator
+        mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L]
+        depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
+        predicted = (depth_cal * forecast.request_scale).clamp(0.0, float(self.config.max_depth))
+        accept = accept_len.to(torch.float64)
+        step = torch.stack(
+            [predicted.sum().double(), accept.sum(), accept.new_tensor(float(accept.numel()))]
+        )
+        self._totals.add_(step)
+        cal.update(forecast.rows, mass, depth_cal, accept_len)
+
+    def record_step(self, bs: int, budget: int, seconds: float, drafted: bool = True) -> None:
+        """Host: a measured step time. A drafted step verified at budget 0 is not a plain
+        decode step (it paid the drafter) and is not recorded."""
+        if self.latency is None or (budget == 0 and drafted):
+            return
+        self.latency.record(bs, budget, seconds)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Sync-free: slots ``rows`` (``[n]`` int64) start a new request's history."""
+        self.calibrator.reset(rows)
+
+    def stats(self) -> ControlStats:
+        """Reads the device accumulators (a sync): for periodic logs and metrics."""
+        pred, obs, count = self._totals.tolist()
+        return ControlStats(
+            last_budget=self.last_budget,
+            mean_predicted_accept=pred / max(count, 1.0),
+            mean_observed_accept=obs / max(count, 1.0),
+            request_steps=int(count),
+            budget_counts=dict(sorted(self.budget_counts.items())),
+            depth_scale=self.calibrator.depth_scale().tolist(),
+            latency_mean_abs_rel_error=(
+                self.latency.mean_abs_rel_error() if self.latency is not None else 0.0
+            ),
+        )

@@ -1,0 +1,261 @@
+"""Step latency C(bs, N): a roofline prior, calibrated and refined online by measured steps.
+
+C(bs, N) is the wall time of one whole decode step of a batch of ``bs`` requests at budget N:
+for N > 0 the drafter forward, the tree and a target forward over bs * (N + 1) tokens; for
+N = 0 a plain decode step (no drafter, bs tokens).
+
+Prior (BASTION appendix F, simplified to the dominant terms), per forward of ``tokens`` tokens of
+``bs`` requests at context ``c``:
+
+    bytes = params * dtype + bs * (c + tokens / bs) * 2 * layers * kv_heads * hd * dtype
+    flops = 2 * matmul_params * tokens + 4 * layers * q_heads * hd * tokens * (c + tokens / bs)
+    t     = max(bytes / (bandwidth * bw_eff), flops / (peak * flops_eff))
+
+plus a fixed per-step overhead (scheduler, launches, sampling) and, for N > 0, a per-step draft
+overhead (tree build, layout) and the drafter's own roofline over bs * block tokens.
+
+Online (host floats, no device work): every measured step feeds (a) a per-device linear
+calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
+"static linear calibration" learned online) and (b) a per-cell EMA of the measured time. A cell
+with a measurement predicts its EMA; an unmeasured cell predicts the calibrated prior. Batch
+sizes map to buckets (the smallest bucket >= bs, as CUDA-graph padding runs them).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+DEFAULT_BS_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape for the roofline.
+
+    Attributes:
+        params: total parameters (bytes read per forward = params * dtype_bytes).
+        tied_embeddings: the LM head is the embedding matrix (counted once in params and used
+            as a matmul); untied: the input embedding is a gather, not a matmul.
+    """
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool
+    dtype_bytes: int = 2
+
+    @property
+    def matmul_params(self) -> float:
+        return self.params if self.tied_embeddings else self.params - self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device's roofline figures (dense peak, not sparse) and per-step overheads."""
+
+    name: str
+    mem_bandwidth: float  # bytes / s
+    peak_flops: float  # FLOP / s at the model dtype
+    bw_efficiency: float
+    flops_efficiency: float
+    step_overhead_s: float  # every step: scheduler, kernel launches, sampling, host sync
+    draft_overhead_s: float  # every drafted step: tree build, verify layout, acceptance
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # H100 SXM5 80 GB: HBM3 3.35 TB/s, bf16 dense 989 TFLOP/s.
+    "h100": DeviceSpec("H100 SXM", 3.35e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3),
+    # H200 SXM 141 GB: HBM3e 4.8 TB/s, same compute as H100.
+    "h200": DeviceSpec("H200 SXM", 4.8e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3),
+    # 2 x86 cores with AVX2 FMA, float32: 2 cores * 32 FLOP/cycle * ~3 GHz, ~20 GB/s DRAM.
+    "cpu": DeviceSpec("CPU 2 cores AVX2 fp32", 20e9, 192e9, 0.5, 0.3, 5.0e-3, 2.0e-3),
+}
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "qwen3-8b": ModelShape("Qwen3-8B", 8.19e9, 36, 4096, 32, 8, 128, 12288, 151936, False),
+    "llama-3.1-8b": ModelShape("Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 14336, 128256, False),
+    "smollm2-135m": ModelShape("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 1536, 49152, True),
+}
+
+
+def layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int, ffn: int) -> float:
+    """Parameters of one dense SwiGLU decoder layer (attention + MLP, norms ignored)."""
+    attention = 2.0 * hidden * (q_heads + kv_heads) * head_dim
+    return attention + 3.0 * hidden * ffn
+
+
+def dflash_drafter(target: ModelShape, layers: int) -> ModelShape:
+    """A DFlash drafter of ``target``: ``layers`` decoder layers of the target's widths, the
+    target's LM head shared (read and multiplied once per drafted position)."""
+    per_layer = layer_params(
+        target.hidden, target.q_heads, target.kv_heads, target.head_dim, target.ffn
+    )
+    return ModelShape(
+        f"DFlash-{layers}L({target.name})",
+        layers * per_layer + target.vocab * target.hidden,
+        layers,
+        target.hidden,
+        target.q_heads,
+        target.kv_heads,
+        target.head_dim,
+        target.ffn,
+        target.vocab,
+        True,
+        target.dtype_bytes,
+    )
+
+
+def forward_seconds(
+    shape: ModelShape, device: DeviceSpec, bs: int, tokens_per_request: int, context: int
+) -> float:
+    """Roofline time of one forward of ``bs`` requests, ``tokens_per_request`` new tokens each."""
+    tokens = bs * tokens_per_request
+    span = context + tokens_per_request
+    weight_bytes = shape.params * shape.dtype_bytes
+    kv_bytes = bs * span * shape.kv_bytes_per_token
+    flops = 2.0 * shape.matmul_params * tokens
+    flops += 4.0 * shape.layers * shape.q_heads * shape.head_dim * tokens * span
+    memory_s = (weight_bytes + kv_bytes) / (device.mem_bandwidth * device.bw_efficiency)
+    compute_s = flops / (device.peak_flops * device.flops_efficiency)
+    return max(memory_s, compute_s)
+
+
+def roofline_step_seconds(
+    target: ModelShape,
+    device: DeviceSpec,
+    bs: int,
+    budget: int,
+    context: int,
+    drafter: ModelShape | None = None,
+    block: int = 16,
+) -> float:
+    """Prior C(bs, N): one decode step at budget N (0 = plain decode, no drafter)."""
+    seconds = device.step_overhead_s + forward_seconds(target, device, bs, budget + 1, context)
+    if budget > 0:
+        seconds += device.draft_overhead_s
+        if drafter is not None:
+            seconds += forward_seconds(drafter, device, bs, block, context)
+    return seconds
+
+
+def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
+    """Index of the smallest bucket >= bs (the last bucket for larger batches)."""
+    return min(bisect.bisect_left(buckets, bs), len(buckets) - 1)
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    """Attributes:
+    cell_ema: weight of a new measurement in its cell's EMA (the first sets it).
+    calib_decay: per-measurement decay of the linear calibration's sums.
+    """
+
+    cell_ema: float = 0.2
+    calib_decay: float = 0.995
+
+
+class LatencyModel:
+    """C(bs, N) over ``bs_buckets`` x ``budgets``; host floats only (no device reads)."""
+
+    def __init__(
+        self,
+        prior: list[list[float]],
+        budgets: tuple[int, ...],
+        bs_buckets: tuple[int, ...] = DEFAULT_BS_BUCKETS,
+        config: LatencyConfig = LatencyConfig(),
+    ) -> None:
+        if len(prior) != len(bs_buckets) or any(len(row) != len(budgets) for row in prior):
+            raise ValueError("prior must be [len(bs_buckets)][len(budgets)]")
+        self.prior = [list(map(float, row)) for row in prior]
+        self.budgets = tuple(budgets)
+        self.bs_buckets = tuple(bs_buckets)
+        self.config = config
+        self._col = {b: i for i, b in enumerate(self.budgets)}
+        self.measured = [[0.0] * len(budgets) for _ in bs_buckets]  # per-cell EMA
+        self.count = [[0] * len(budgets) for _ in bs_buckets]
+        self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
+        self._abs_rel_err = 0.0
+        self._err_count = 0
+
+    @classmethod
+    def from_roofline(
+        cls,
+        target: ModelShape,
+        device: DeviceSpec,
+        budgets: tuple[int, ...],
+        *,
+        context: int = 1024,
+        drafter: ModelShape | None = None,
+        block: int = 16,
+        bs_buckets: tuple[int, ...] = DEFAULT_BS_BUCKETS,
+        config: LatencyConfig = LatencyConfig(),
+    ) -> LatencyModel:
+        prior = [
+            [roofline_step_seconds(target, device, bs, n, context, drafter, block) for n in budgets]
+            for bs in bs_buckets
+        ]
+        return cls(prior, budgets, bs_buckets, config)
+
+    def calibration(self) -> tuple[float, float]:
+        """(a, b) of measured ~= a * prior + b; (1, 0) before any measurement."""
+        w, x, y, xx, xy = self._sums
+        if w <= 0.0 or x <= 0.0:
+            return 1.0, 0.0
+        det = w * xx - x * x
+        if det > 1e-9 * x * x:
+            a = (w * xy - x * y) / det
+            if a > 0.0:
+                return a, (y - a * x) / w
+        return y / x, 0.0  # one distinct prior value (or a negative slope): a ratio only
+
+    def calibrated_prior(self, bucket: int, column: int) -> float:
+        a, b = self.calibration()
+        x = self.prior[bucket][column]
+        return max(a * x + b, 0.05 * a * x)
+
+    def seconds(self, bs: int, budget: int) -> float:
+        """C(bs, N) in seconds: the cell's EMA if measured, else the calibrated prior."""
+        bucket, column = bucket_of(self.bs_buckets, bs), self._col[budget]
+        if self.count[bucket][column]:
+            return self.measured[bucket][column]
+        return self.calibrated_prior(bucket, column)
+
+    def row(self, bs: int) -> list[float]:
+        """``[C]`` C(bs, N) for every candidate budget."""
+        return [self.seconds(bs, n) for n in self.budgets]
+
+    def record(self, bs: int, budget: int, seconds: float) -> bool:
+        """Fold in one measured step; False (ignored) for a budget outside the candidates."""
+        column = self._col.get(budget)
+        if column is None or not seconds > 0.0:
+            return False
+        bucket = bucket_of(self.bs_buckets, bs)
+        predicted = self.seconds(bs, budget)
+        self._abs_rel_err += abs(predicted - seconds) / seconds
+        self._err_count += 1
+        x = self.prior[bucket][column]
+        d = self.config.calib_decay
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            self._sums[i] = self._sums[i] * d + v
+        if self.count[bucket][column]:
+            ema = self.config.cell_ema
+            self.measured[bucket][column] += ema * (seconds - self.measured[bucket][column])
+        else:
+            self.measured[bucket][column] = seconds
+        self.count[bucket][column] += 1
+        return True
+
+    def mean_abs_rel_error(self) -> float:
+        """Mean |predicted - measured| / measured of every recorded step, before its update."""
+        return self._abs_rel_err / max(self._err_count, 1)

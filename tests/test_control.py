@@ -1,0 +1,322 @@
+"""Budget control: surrogate vs brute force, calibration, latency model, the choice."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from tree_helpers import random_marginals
+
+from sglang_tree_spec.control import (
+    DEVICES,
+    MODEL_SHAPES,
+    BudgetController,
+    CalibrationConfig,
+    ControlConfig,
+    LatencyModel,
+    candidate_budgets,
+    dflash_drafter,
+    expected_accept,
+    roofline_step_seconds,
+    top_nodes,
+)
+from sglang_tree_spec.tree import build_ddtree, greedy_accept
+
+FIELDS = ("tokens", "parents", "depths", "logprobs", "valid")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread (two spin-waiting threads on a loaded CPU cost 5x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def brute_force_accept(tree, lp_full: torch.Tensor, b: int) -> float:
+    """E[accepted draft tokens] of request ``b``'s tree when the target draws every position
+    independently from ``lp_full`` (``[bs, L, V]``: log-probs over the whole vocabulary):
+    enumerate all V^L target continuations and walk the tree."""
+    depth, vocab = lp_full.shape[1:]
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for i in range(tree.budget):
+        if tree.valid[b, i]:
+            children[(int(tree.parents[b, i]), int(tree.tokens[b, i]))] = i
+    total = 0.0
+    for seq in itertools.product(range(vocab), repeat=depth):
+        prob = math.exp(sum(float(lp_full[b, d, t]) for d, t in enumerate(seq)))
+        node, accepted = -1, 0
+        for t in seq:
+            node = children.get((node, t), None)
+            if node is None:
+                break
+            accepted += 1
+        total += prob * accepted
+    return total
+
+
+def test_candidate_budgets():
+    assert candidate_budgets(64) == (0, 4, 8, 16, 32, 64)
+    assert candidate_budgets(32) == (0, 4, 8, 16, 32)
+    assert candidate_budgets(20) == (0, 4, 8, 16, 20)
+    assert candidate_budgets(3, (0, 1, 8)) == (0, 1, 3)
+
+
+def test_surrogate_equals_brute_force_expected_accept_with_nesting():
+    bs, depth, vocab, big = 3, 4, 3, 40  # 3 + 9 + 27 + 81 = 120 lattice prefixes
+    lp, tok = random_marginals(bs, depth, vocab, vocab, seed=7, sharpness=1.5)  # K = V: full
+    lp_full = torch.full((bs, depth, vocab), float("-inf"))
+    lp_full.scatter_(2, tok, lp)
+    budgets = (0, 1, 2, 5, 9, 17, big)
+    tree = build_ddtree(lp, tok, big)
+    predicted = expected_accept(tree, budgets)  # [bs, C] from ONE tree
+    assert predicted.shape == (bs, len(budgets))
+    for c, n in enumerate(budgets):
+        for b in range(bs):
+            if n == 0:
+                assert predicted[b, c] == 0
+                continue
+            exact_tree = build_ddtree(lp, tok, n)  # the optimal n-tree, built on its own
+            truth = brute_force_accept(exact_tree, lp_full, b)
+            assert predicted[b, c].item() == pytest.approx(truth, rel=1e-4, abs=1e-6), (b, n)
+            # ...and it is the top-n prefix of the big tree (nesting), node for node.
+            sub = top_nodes(tree, n)
+            for name in FIELDS:
+                assert torch.equal(getattr(sub, name)[b], getattr(exact_tree, name)[b]), name
+
+
+def test_surrogate_beyond_tree_size_and_padding():
+    lp, tok = random_marginals(2, 2, 2, 2, seed=1)  # 2 + 4 = 6 prefixes, budget 10 pads 4
+    tree = build_ddtree(lp, tok, 10)
+    acc = expected_accept(tree, (0, 6, 10, 64))
+    assert torch.allclose(acc[:, 1], acc[:, 2]) and torch.allclose(acc[:, 2], acc[:, 3])
+    assert torch.allclose(acc[:, 1], tree.logprobs.exp().where(tree.valid, 0).sum(1))
+
+
+def tree_prob_sum(tree, lp_full: torch.Tensor, b: int) -> float:
+    """sum over request ``b``'s nodes of their path probability under ``lp_full``
+    (``[bs, L, V]``): the expected accepted length (the identity the test above checks)."""
+    path_lp: list[float] = []
+    for i in range(tree.budget):
+        parent, token = int(tree.parents[b, i]), int(tree.tokens[b, i])
+        depth = int(tree.depths[b, i])
+        own = float(lp_full[b, depth - 1, token])
+        path_lp.append((path_lp[parent] if parent >= 0 else 0.0) + own)
+    return sum(math.exp(v) for v, ok in zip(path_lp, tree.valid[b].tolist(), strict=True) if ok)
+
+
+def factorised_target_argmax(tree, draws: torch.Tensor) -> torch.Tensor:
+    """``[bs, B + 1]`` the target's token at every verify slot when it ignores the context:
+    draws[:, d] at every slot of depth d (root depth 0)."""
+    slot_depth = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    return draws.gather(1, slot_depth.clamp(max=draws.shape[1] - 1))
+
+
+def run_stream(ctl, tree, target_lp_full, steps, generator, budget):
+    """Verify ``tree``'s top-``budget`` nodes ``steps`` times against a target that samples
+    each position from ``target_lp_full``; returns per-step [bs] predictions and observations."""
+    bs, depth, vocab = target_lp_full.shape
+    rows = torch.arange(bs)
+    preds, obs = [], []
+    sub = top_nodes(tree, budget)
+    column = ctl.config.budgets.index(budget)
+    for _ in range(steps):
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        draws = torch.multinomial(
+            target_lp_full.exp().reshape(bs * depth, vocab), 1, generator=generator
+        ).reshape(bs, depth)
+        result = greedy_accept(sub, factorised_target_argmax(sub, draws))
+        preds.append(fc.accept[:, column].clone())
+        obs.append(result.accept_len.float())
+        ctl.observe(fc, budget, result.accept_len)
+    return torch.stack(preds), torch.stack(obs)  # [steps, bs]
+
+
+def full_logprobs(logits: torch.Tensor, k: int):
+    lp_full = torch.log_softmax(logits, dim=-1)
+    lp, tok = lp_full.topk(k, dim=-1)
+    return lp_full, lp, tok
+
+
+def test_calibration_converges_to_observed_rates_per_request_and_resets():
+    gen = torch.Generator().manual_seed(3)
+    bs, depth, vocab, budget = 2, 6, 6, 16
+    logits = torch.randn(1, depth, vocab, generator=gen).expand(bs, -1, -1) * 2.5
+    _, lp, tok = full_logprobs(logits, vocab)
+    # Row 0's target is sharper than the drafter: under-confident drafter; row 1's flatter.
+    target_full = torch.log_softmax(logits * torch.tensor([2.0, 0.4]).view(bs, 1, 1), dim=-1)
+    tree = build_ddtree(lp, tok, budget)
+    truth = torch.tensor([tree_prob_sum(tree, target_full, b) for b in range(bs)])
+    raw = expected_accept(tree, (budget,))[:, 0]
+    assert ((raw - truth).abs() / truth > 0.25).all()  # uncalibrated: badly off for both
+
+    config = ControlConfig(budgets=(0, budget), fixed_budget=budget, max_depth=depth)
+    ctl = BudgetController(config, None, max_slots=4)
+    preds, obs = run_stream(ctl, tree, target_full, 400, gen, budget)
+    late_pred, late_obs = preds[200:].mean(0), obs[200:].mean(0)  # [bs]
+    assert torch.allclose(late_obs, truth, rtol=0.1)  # the stream is what we think it is
+    assert torch.allclose(late_pred, late_obs, rtol=0.1), (late_pred, late_obs, truth)
+    stats = ctl.stats()
+    assert stats.request_steps == 400 * bs and stats.budget_counts == {}
+    assert stats.mean_observed_accept == pytest.approx(obs.mean().item(), rel=1e-5)
+
+    # A new request in slot 1 starts from the pooled per-depth calibration, r = 1.
+    ctl.reset(torch.tensor([1]))
+    assert ctl.calibrator.request_scale(torch.tensor([0, 1]))[1].item() == 1.0
+    assert ctl.calibrator.request_scale(torch.tensor([0]))[0].item() != pytest.approx(1.0)
+
+
+def test_per_depth_calibration_tracks_depth_acceptance():
+    gen = torch.Generator().manual_seed(5)
+    bs, depth, vocab, budget = 8, 5, 4, 8
+    logits = torch.randn(bs, depth, vocab, generator=gen) * 3.0
+    _, lp, tok = full_logprobs(logits, vocab)
+    # The target agrees at depth 1 and is flat deeper: acceptance falls faster than drafted.
+    target_logits = torch.cat([logits[:, :1], logits[:, 1:] * 0.2], dim=1)
+    target_full = torch.log_softmax(target_logits, dim=-1)
+    tree = build_ddtree(lp, tok, budget)
+    calib = CalibrationConfig(depth_decay=0.995, request_decay=0.0, request_prior=1e9)
+    config = ControlConfig(
+        budgets=(0, budget), fixed_budget=budget, max_depth=depth, calibration=calib
+    )  # per-request factor off: depth only
+    ctl = BudgetController(config, None, max_slots=bs)
+    preds, obs = run_stream(ctl, tree, target_full, 300, gen, budget)
+    scale = ctl.calibrator.depth_scale()
+    assert scale[0].item() == pytest.approx(1.0, abs=0.1)
+    assert scale[1].item() < 0.8
+    assert preds[150:].mean().item() == pytest.approx(obs[150:].mean().item(), rel=0.08)
+
+
+def test_latency_prior_is_monotone_in_budget_and_batch():
+    target = MODEL_SHAPES["qwen3-8b"]
+    drafter = dflash_drafter(target, 5)
+    budgets = (0, 1, 4, 8, 16, 32, 64, 128)
+    for device in DEVICES.values():
+        table = [
+            [roofline_step_seconds(target, device, bs, n, 1024, drafter, 16) for n in budgets]
+            for bs in (1, 2, 4, 8, 16, 64)
+        ]
+        for row in table:
+            assert all(a < b for a, b in itertools.pairwise(row))
+        for col in zip(*table, strict=True):
+            assert all(a < b for a, b in itertools.pairwise(col))
+    # H100 at bs 1, Qwen3-8B: memory-bound, a 16-node tree costs little over a plain step.
+    h100 = DEVICES["h100"]
+    plain = roofline_step_seconds(target, h100, 1, 0, 1024)
+    assert 4e-3 < plain < 15e-3
+    assert roofline_step_seconds(target, h100, 1, 16, 1024) < 1.3 * plain
+    # ...while at bs 64 the same tree is compute-bound and costs over 2.5 plain steps.
+    assert roofline_step_seconds(target, h100, 64, 16, 1024) > 2.5 * roofline_step_seconds(
+        target, h100, 64, 0, 1024
+    )
+
+
+def test_latency_refinement_converges_to_measured_times():
+    budgets = (0, 8, 32)
+    buckets = (1, 4, 16, 64)
+    model = LatencyModel.from_roofline(
+        MODEL_SHAPES["llama-3.1-8b"], DEVICES["h200"], budgets, bs_buckets=buckets
+    )
+    truth = [[2.0 * p + 3e-3 for p in row] for row in model.prior]  # "a different device"
+    assert model.seconds(1, 8) == pytest.approx(model.prior[0][1])  # nothing measured yet
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):  # measure only bs 1 and 16 (bucket 16 as bs 13), 5% noise
+        for bs, bucket in ((1, 0), (13, 2)):
+            for c, n in enumerate(budgets):
+                noise = 1.0 + 0.05 * (2 * torch.rand(1, generator=gen).item() - 1)
+                model.record(bs, n, truth[bucket][c] * noise)
+    a, b = model.calibration()
+    assert a == pytest.approx(2.0, rel=0.15) and b == pytest.approx(3e-3, abs=2e-3)
+    for bucket, bs in enumerate(buckets):  # buckets 4 and 64 never measured: calibrated prior
+        for c, n in enumerate(budgets):
+            assert model.seconds(bs, n) == pytest.approx(truth[bucket][c], rel=0.06), (bs, n)
+    assert model.mean_abs_rel_error() < 0.2
+    assert not model.record(1, 5, 0.1)  # not a candidate: ignored
+    for _ in range(30):  # a measured cell drifts (thermal, a neighbour): its EMA follows
+        model.record(1, 32, 1.5 * truth[0][2])
+    assert model.seconds(1, 32) == pytest.approx(1.5 * truth[0][2], rel=0.02)
+
+
+def strong_or_useless_tree(bs: int, strong: bool, budget: int = 64):
+    """A 15-deep tree: two likely tokens per position (0.6 and 0.39, so every added node still
+    adds), or probabilities ~1e-9."""
+    depth, k = 15, 8
+    lp = torch.full((bs, depth, k), -30.0)
+    lp[..., 0] = math.log(0.6) if strong else -20.0
+    lp[..., 1] = math.log(0.39) if strong else -21.0
+    lp[..., 2:] -= torch.arange(2, k).float()  # sorted descending
+    tok = torch.arange(k).expand(bs, depth, k)
+    return build_ddtree(lp, tok, budget)
+
+
+def roofline_controller(budgets=(0, 4, 8, 16, 32, 64), **kwargs):
+    latency = LatencyModel.from_roofline(
+        MODEL_SHAPES["qwen3-8b"],
+        DEVICES["h100"],
+        budgets,
+        drafter=dflash_drafter(MODEL_SHAPES["qwen3-8b"], 5),
+        block=16,
+    )
+    return BudgetController(ControlConfig(budgets=budgets, **kwargs), latency, max_slots=64)
+
+
+def test_choice_useless_drafter_picks_plain_decode_and_stops_drafting():
+    for bs in (1, 16):
+        ctl = roofline_controller(probe_every=4)
+        tree = strong_or_useless_tree(bs, strong=False)
+        fc = ctl.forecast(torch.arange(bs), tree.logprobs, tree.depths, tree.valid)
+        assert ctl.should_draft()
+        assert ctl.choose(fc, bs) == 0
+        drafted = []
+        for _ in range(8):
+            drafted.append(ctl.should_draft())
+            assert ctl.choose(fc if drafted[-1] else None, bs) == 0
+        assert drafted == [False, False, False, True] * 2  # re-forecast every 4th step
+        assert ctl.stats().budget_counts == {0: 9}
+
+
+def test_choice_free_verification_and_strong_drafter_picks_max_budget():
+    budgets = (0, 4, 8, 16, 32, 64)
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
+    ctl = BudgetController(ControlConfig(budgets=budgets), flat, max_slots=8)
+    tree = strong_or_useless_tree(8, strong=True)
+    fc = ctl.forecast(torch.arange(8), tree.logprobs, tree.depths, tree.valid)
+    assert ctl.choose(fc, 8) == 64
+    assert ctl.last_budget == 64 and ctl.stats().budget_counts == {64: 1}
+    # Nothing to gain (all probabilities 0) at equal cost: ties go to the smaller budget.
+    useless = strong_or_useless_tree(8, strong=False)
+    flat_fc = ctl.forecast(torch.arange(8), useless.logprobs, useless.depths, useless.valid)
+    assert ctl.choose(flat_fc, 8) == 0
+    # A tree smaller than a candidate never gets that candidate.
+    small = top_nodes(tree, 16)
+    fc16 = ctl.forecast(torch.arange(8), small.logprobs, small.depths, small.valid)
+    assert ctl.choose(fc16, 8) == 16
+
+
+def test_choice_shrinks_at_a_compute_bound_batch():
+    lp, tok = random_marginals(1, 15, 16, 64, seed=11, sharpness=4.0)
+    chosen = {}
+    for bs in (1, 4, 16, 64):
+        ctl = roofline_controller()
+        tree = build_ddtree(lp.expand(bs, -1, -1), tok.expand(bs, -1, -1), 64)
+        fc = ctl.forecast(torch.arange(bs), tree.logprobs, tree.depths, tree.valid)
+        chosen[bs] = ctl.choose(fc, bs)
+    assert chosen[1] >= 32, chosen
+    assert chosen[64] < chosen[1] and chosen[64] > 0, chosen
+    assert all(chosen[a] >= chosen[b] for a, b in itertools.pairwise((1, 4, 16, 64))), chosen
+
+
+def test_fixed_mode_same_interface_no_latency():
+    ctl = BudgetController(ControlConfig(fixed_budget=32), None, max_slots=2)
+    tree = strong_or_useless_tree(2, strong=True, budget=32)
+    fc = ctl.forecast(torch.arange(2), tree.logprobs, tree.depths, tree.valid)
+    assert ctl.should_draft() and ctl.choose(fc, 2) == 32
+    ctl.observe(fc, 32, torch.tensor([15, 3]))
+    ctl.record_step(2, 32, 0.01)
+    assert ctl.stats().mean_observed_accept == 9.0
+    assert not BudgetController(ControlConfig(fixed_budget=0), None, 1).should_draft()
+    with pytest.raises(ValueError):
+        BudgetController(ControlConfig(), None, max_slots=2)
