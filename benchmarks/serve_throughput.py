@@ -42,7 +42,8 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "serve_throughput_cpu.json"
 
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
     """SGLang's launcher for one configuration: ``none``, ``dflash``, ``ddtree:<budget>`` or
-    ``ddtree-graft:<budget>``."""
+    ``ddtree-graft:<budget>``, where the budget is a number (fixed) or ``auto`` (budget
+    control up to ``--auto-max-budget``)."""
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.target), "--device", args.device,
@@ -55,10 +56,12 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
         command += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
                     str(args.drafter)]  # fmt: skip
     elif config.startswith(("ddtree:", "ddtree-graft:")):
-        budget = int(config.split(":", 1)[1])
+        budget = config.split(":", 1)[1]
+        largest = args.auto_max_budget if budget == "auto" else int(budget)
         command += ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
                     str(args.drafter),
-                    "--speculative-num-draft-tokens", str(budget + 1)]  # fmt: skip
+                    "--speculative-num-draft-tokens", str(largest + 1),
+                    "--speculative-ddtree-budget", budget]  # fmt: skip
         if config.startswith("ddtree-graft:"):
             command += ["--speculative-ddtree-graft", "unified"]
     elif config != "none":
@@ -108,7 +111,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=SMALL_PAIR_DIR / "target")
     parser.add_argument("--drafter", type=Path, default=SMALL_PAIR_DIR / "drafter")
-    parser.add_argument("--configs", nargs="+", default=["none", "ddtree:8", "ddtree:32"])
+    parser.add_argument(
+        "--configs", nargs="+", default=["none", "ddtree:8", "ddtree:32", "ddtree:auto"]
+    )
+    parser.add_argument("--auto-max-budget", type=int, default=32, help="ddtree:auto's largest")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)

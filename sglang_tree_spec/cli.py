@@ -12,6 +12,12 @@ from pathlib import Path
 from sglang_tree_spec.config import METHODS
 
 
+def _budget(value: str) -> str:
+    if value != "auto" and not value.isdigit():
+        raise argparse.ArgumentTypeError(f"budget must be a number or 'auto', got {value!r}")
+    return value
+
+
 def _tree_demo(args: argparse.Namespace) -> int:
     from sglang_tree_spec import tree_demo
 
@@ -34,7 +40,9 @@ def _generate(args: argparse.Namespace) -> int:
         if args.drafter is None:
             raise ValueError(f"--method {args.method} needs --drafter")
         drafter = load_drafter(args.drafter, device, dtype)
-    engine = SpecEngine(target, drafter, method=args.method, budget=args.budget, topk=args.topk)
+    auto = args.budget == "auto"
+    budget = args.max_budget if auto else int(args.budget)
+    engine = SpecEngine(target, drafter, args.method, budget=budget, topk=args.topk, auto=auto)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in args.prompt]
     results = engine.generate(
         prompts,
@@ -125,7 +133,14 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--target", required=True, help="transformers target model directory")
     gen.add_argument("--drafter", help="DFlash drafter directory (chain, ddtree)")
     gen.add_argument("--method", choices=METHODS, default="ddtree")
-    gen.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    gen.add_argument(
+        "--budget",
+        type=_budget,
+        default="64",
+        help="DDTree node budget, or 'auto': chosen every step from the predicted accepted "
+        "tokens per second, up to --max-budget",
+    )
+    gen.add_argument("--max-budget", type=int, default=64, help="the largest budget of auto")
     gen.add_argument("--topk", type=int, default=None, help="tokens per drafted position")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, default=128)

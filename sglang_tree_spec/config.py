@@ -12,6 +12,21 @@ GRAFT_POLICIES = ("none", "stage", "unified")
 # The reference engine's method names, each one TreeConfig (see TreeConfig.for_method).
 METHODS = ("ar", "chain", "ddtree", "ddtree-graft-stage", "ddtree-graft-unified")
 MAX_BUDGET = 1024
+# The budgets budget control chooses from by default (capped at the configured budget, which is
+# always a candidate). 0 is a plain decode step.
+DEFAULT_BUDGETS: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
+
+
+def candidate_budgets(max_budget: int, base: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[int, ...]:
+    """The sorted candidate set: ``base`` capped at ``max_budget``, plus ``max_budget`` itself.
+
+    Budget 0 is a plain decode step (only the bonus token; expected committed tokens = 1); budget
+    1 is the single most probable depth-1 node. ``max_budget`` (the largest tree the server
+    reserves KV for) is always a candidate so a configured budget stays reachable.
+    """
+    if max_budget < 0 or any(b < 0 for b in base):
+        raise ValueError(f"budgets must be >= 0, got max {max_budget} and {base}")
+    return tuple(sorted({b for b in base if b <= max_budget} | {max_budget}))
 
 
 @dataclass(frozen=True)
@@ -21,6 +36,9 @@ class TreeConfig:
     Attributes:
         budget: B, draft nodes per request and step (the verify window is B + 1: the root, the
             last bonus token, comes first). 0 drafts nothing: plain decoding, one token a step.
+            With ``auto``, the largest budget the controller may choose.
+        auto: choose each step's budget for the whole batch from the predicted accepted
+            tokens per second (:mod:`sglang_tree_spec.control`) among ``candidates``.
         topk: K, tokens per drafted depth. ``None`` (the default) is the budget, which makes
             the tree exactly the budget's most probable prefixes; a smaller K is an
             approximation that trims the drafter's top-K.
@@ -35,6 +53,8 @@ class TreeConfig:
     graft: str = "none"
     chain: bool = False
     table_k: int = 8
+    auto: bool = False
+    candidates: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or not 0 <= self.budget <= MAX_BUDGET:
@@ -45,6 +65,17 @@ class TreeConfig:
             raise ValueError(f"graft must be one of {GRAFT_POLICIES}, got {self.graft!r}")
         if self.chain and self.graft != "none":
             raise ValueError("the chain drafts one path: it takes no grafting")
+        if self.auto and self.chain:
+            raise ValueError("the chain has one shape: it takes no budget control")
+        if self.candidates is not None and (
+            list(self.candidates) != sorted(set(self.candidates))
+            or not 0 <= self.candidates[0]
+            or self.candidates[-1] > self.budget
+        ):
+            raise ValueError(
+                f"candidates must be sorted, distinct, in [0, budget={self.budget}]: "
+                f"{self.candidates}"
+            )
         if self.table_k < 1:
             raise ValueError(f"table_k must be >= 1, got {self.table_k}")
 
@@ -57,8 +88,18 @@ class TreeConfig:
 
     @property
     def drafts(self) -> bool:
-        """Whether a step runs the drafter at all."""
+        """Whether a step may run the drafter at all."""
         return self.chain or self.budget > 0
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The budgets a step may take: the candidates under ``auto`` (by default 0, 4, 8,
+        16, 32, 64 up to the budget, and the budget), else the budget alone."""
+        if not self.auto:
+            return (self.budget,)
+        if self.candidates is not None:
+            return self.candidates
+        return candidate_budgets(self.budget)
 
     @property
     def method(self) -> str:
@@ -70,8 +111,11 @@ class TreeConfig:
         return "ddtree" if self.graft == "none" else f"ddtree-graft-{self.graft}"
 
     @classmethod
-    def for_method(cls, method: str, budget: int = 64, topk: int | None = None) -> TreeConfig:
-        """The configuration of one of :data:`METHODS` (``ar``: budget 0)."""
+    def for_method(
+        cls, method: str, budget: int = 64, topk: int | None = None, auto: bool = False
+    ) -> TreeConfig:
+        """The configuration of one of :data:`METHODS` (``ar``: budget 0); ``auto`` chooses
+        the budget each step up to ``budget``."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if method == "ar":
@@ -79,4 +123,4 @@ class TreeConfig:
         if method == "chain":
             return cls(budget=budget, chain=True)
         graft = method.removeprefix("ddtree-graft-") if method != "ddtree" else "none"
-        return cls(budget=budget, topk=topk, graft=graft)
+        return cls(budget=budget, topk=topk, graft=graft, auto=auto)

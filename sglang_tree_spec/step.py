@@ -4,7 +4,7 @@ Pure torch: no SGLang, no transformers. The engine (:mod:`sglang_tree_spec.engin
 worker (:mod:`sglang_tree_spec.plugin.worker`) each supply a :class:`StepBackend`, the four
 operations that touch their models and caches, and call :func:`decode_step`:
 
-    draft top-K -> select tree -> layout -> verify -> accept -> learn -> keep
+    draft top-K -> choose budget -> select tree -> layout -> verify -> accept -> learn -> keep
 
 Sizes: ``bs`` requests, ``L`` drafted depths, ``K`` top-K per depth, ``B`` tree budget, ``W =
 B + 1`` verify-window slots (the root, i.e. the last bonus token, is slot 0), ``P = min(L, B) +
@@ -13,17 +13,20 @@ B + 1`` verify-window slots (the root, i.e. the last bonus token, is slot 0), ``
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from sglang_tree_spec.config import TreeConfig
+from sglang_tree_spec.control import BudgetController, ControlConfig, LatencyModel, top_nodes
 from sglang_tree_spec.step_times import PhaseTimer
 from sglang_tree_spec.tree import (
     AcceptResult,
     DraftTree,
     VerifyLayout,
+    build_ddtree,
     build_verify_layout,
     counter_uniforms,
     greedy_accept,
@@ -131,6 +134,7 @@ class StepResult:
         commit_lens: ``[bs]`` int64 tokens committed (accepted drafts + the bonus).
         committed_tokens: ``[bs, P]`` int64, -1 after ``commit_lens``.
         topk_logprobs: ``[bs, L, K]`` the drafter's top-K log-probs (None when not drafted).
+        budget: the step's budget (0: a plain step).
     """
 
     tree: DraftTree
@@ -138,58 +142,111 @@ class StepResult:
     commit_lens: torch.Tensor
     committed_tokens: torch.Tensor
     topk_logprobs: torch.Tensor | None
+    budget: int
 
 
 def decode_step(
     backend: StepBackend,
     selector: TreeSelector | None,
-    budget: int,
+    controller: BudgetController,
     sampling: Sampling,
     bonus: torch.Tensor,
     prefix_lens: torch.Tensor,
+    rows: torch.Tensor,
     *,
     timer: PhaseTimer,
     generator: torch.Generator | None = None,
 ) -> StepResult:
-    """Draft, select, verify, accept and keep one step for ``bs`` requests.
+    """Draft, choose the budget, select, verify, accept and keep one step for ``bs`` requests.
 
     Args:
         backend: the model-side operations.
-        selector: the tree selector; ``None`` or ``budget == 0`` runs a plain step (the root
-            alone is verified).
-        budget: B, the step's node budget (every request of the step the same, so a batch
-            size and budget are one fixed shape).
+        selector: the tree selector; ``None`` runs plain steps (the root alone is verified).
+        controller: the step's budget, fixed or chosen for the whole batch from the predicted
+            accepted tokens per second (every request of a step has the same budget, so a
+            batch size and budget are one fixed shape); it learns from every step.
         sampling: the target's decoding rule per row.
         bonus: ``[bs]`` int64 the last committed token of each request (not yet cached).
         prefix_lens: ``[bs]`` int64 tokens in each request's KV cache.
+        rows: ``[bs]`` int64 each request's slot in the controller's per-request history.
         timer: marks the phases draft, tree, verify, accept, commit.
         generator: coins of unseeded sampled rows.
     """
     bs = bonus.shape[0]
+    start = time.perf_counter()
     timer.start()
-    topk_logprobs = None
-    if selector is None or budget == 0:
-        tree = empty_tree(bs, bonus.device)
-    else:
+    drafted = selector is not None and controller.should_draft(bs)
+    topk_logprobs, forecast, budget = None, None, 0
+    if drafted:
         topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, selector.topk)
         timer.mark("draft")
-        tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
+        if controller.auto:  # one tree at the largest budget; every candidate nests in it
+            largest = _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus)
+            forecast = controller.forecast(rows, largest.logprobs, largest.depths, largest.valid)
+            budget = controller.choose(forecast, bs)  # the step's one host read
+            tree = _tree_at(budget, largest, selector, topk_logprobs, topk_tokens, bonus)
+        else:
+            budget = controller.choose(None, bs)
+            tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
+    else:
+        controller.choose(None, bs)
+        tree = empty_tree(bs, bonus.device)
     layout = build_verify_layout(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
     timer.mark("tree")
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
     accept = sampling.accept(tree, logits, prefix_lens, generator)
-    if selector is not None and budget > 0:
+    if tree.budget > 0:
         selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
+    if forecast is not None:
+        controller.observe(forecast, budget, accept.accept_len)
     path_width = min(tree.max_depth, tree.budget) + 1  # P
     commit_lens = accept.accept_len + 1  # [bs]
     timer.mark("accept")
     backend.keep(accept.accepted_slots[:, :path_width], commit_lens)
     timer.mark("commit")
     timer.end_step(bs)
+    controller.record_step(bs, budget, time.perf_counter() - start, drafted)
     return StepResult(
-        tree, accept, commit_lens, accept.committed_tokens[:, :path_width], topk_logprobs
+        tree, accept, commit_lens, accept.committed_tokens[:, :path_width], topk_logprobs, budget
     )
+
+
+def _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus) -> DraftTree:
+    """The tree the forecast reads: the selector's own at the largest budget when its smaller
+    trees nest in it (DDTree), else the DDTree (a grafted tree's log-probs are not acceptance
+    estimates)."""
+    budget = controller.config.max_budget
+    if isinstance(selector, DDTreeSelector):
+        return selector.select(topk_logprobs, topk_tokens, bonus, budget)
+    return build_ddtree(topk_logprobs, topk_tokens, budget, validate=False, prune=selector.prune)
+
+
+def _tree_at(budget, largest, selector, topk_logprobs, topk_tokens, bonus) -> DraftTree:
+    """The step's ``[bs, budget]`` tree: the top nodes of ``largest`` for DDTree (no second
+    build), the selector's own at ``budget`` otherwise."""
+    if budget == 0:
+        return empty_tree(largest.batch_size, largest.device)
+    if isinstance(selector, DDTreeSelector):
+        return top_nodes(largest, budget)
+    return selector.select(topk_logprobs, topk_tokens, bonus, budget)
+
+
+def make_controller(
+    config: TreeConfig,
+    max_depth: int,
+    max_slots: int,
+    device: torch.device | str,
+    latency: LatencyModel | None = None,
+) -> BudgetController:
+    """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
+    choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
+    every batch-size bucket)."""
+    if not config.auto:
+        fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
+        return BudgetController(fixed, None, max_slots, device)
+    auto = ControlConfig(budgets=config.budgets, max_depth=max_depth, profile_steps=2)
+    return BudgetController(auto, latency, max_slots, device)
 
 
 def make_selector(

@@ -268,11 +268,11 @@ def test_choice_useless_drafter_picks_plain_decode_and_stops_drafting():
         ctl = roofline_controller(probe_every=4)
         tree = strong_or_useless_tree(bs, strong=False)
         fc = ctl.forecast(torch.arange(bs), tree.logprobs, tree.depths, tree.valid)
-        assert ctl.should_draft()
+        assert ctl.should_draft(2)
         assert ctl.choose(fc, bs) == 0
         drafted = []
         for _ in range(8):
-            drafted.append(ctl.should_draft())
+            drafted.append(ctl.should_draft(2))
             assert ctl.choose(fc if drafted[-1] else None, bs) == 0
         assert drafted == [False, False, False, True] * 2  # re-forecast every 4th step
         assert ctl.stats().budget_counts == {0: 9}
@@ -313,10 +313,26 @@ def test_fixed_mode_same_interface_no_latency():
     ctl = BudgetController(ControlConfig(fixed_budget=32), None, max_slots=2)
     tree = strong_or_useless_tree(2, strong=True, budget=32)
     fc = ctl.forecast(torch.arange(2), tree.logprobs, tree.depths, tree.valid)
-    assert ctl.should_draft() and ctl.choose(fc, 2) == 32
+    assert ctl.should_draft(2) and ctl.choose(fc, 2) == 32
     ctl.observe(fc, 32, torch.tensor([15, 3]))
     ctl.record_step(2, 32, 0.01)
     assert ctl.stats().mean_observed_accept == 9.0
-    assert not BudgetController(ControlConfig(fixed_budget=0), None, 1).should_draft()
+    assert not BudgetController(ControlConfig(fixed_budget=0), None, 1).should_draft(2)
     with pytest.raises(ValueError):
         BudgetController(ControlConfig(), None, max_slots=2)
+
+
+def test_profile_measures_every_candidate_before_choosing():
+    """With ``profile_steps``, each candidate's cell is measured (budget 0 without drafting)
+    before the model chooses; then the choice is the model's."""
+    ctl = roofline_controller(profile_steps=1)
+    tree = strong_or_useless_tree(1, strong=False)
+    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    order = []
+    for _ in range(len(ctl.config.budgets)):
+        drafted = ctl.should_draft(1)
+        budget = ctl.choose(fc if drafted else None, 1)
+        ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
+        order.append((budget, drafted))
+    assert order == [(0, False)] + [(b, True) for b in ctl.config.budgets[1:]]
+    assert ctl.should_draft(1) and ctl.choose(fc, 1) == 0  # profiled: a useless drafter -> 0

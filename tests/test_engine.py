@@ -225,3 +225,23 @@ def test_bad_configuration_and_input_raise_clear_errors():
         engine.generate([[1, VOCAB]], 4)
     with pytest.raises(ValueError, match="budget"):
         SpecEngine(target, random_drafter(target, 8), method="ddtree", budget=0)
+
+
+def test_auto_budget_changes_budgets_not_tokens():
+    """``auto``: the budget moves between steps (the in-line profile alone visits every
+    candidate) and the greedy tokens and seeded samples are those of plain decoding."""
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, 8, seed=3)
+    prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6]]
+    ar = SpecEngine(target, method="ar")
+    auto = SpecEngine(target, drafter, "ddtree", budget=16, auto=True)
+    assert auto.config.budgets == (0, 4, 8, 16)
+    served = set()
+    for kwargs in ({}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}):
+        want = [r.tokens for r in ar.generate(prompts, 24, stop_token_ids=[], **kwargs)]
+        results = auto.generate(prompts, 24, stop_token_ids=[], **kwargs)
+        assert [r.tokens for r in results] == want
+        served |= {b for r in results for b in r.stats.budgets}
+    assert served == {0, 4, 8, 16}, served
+    # A random drafter is no use: once profiled, auto decodes plainly (and drafts to probe).
+    assert Counter(results[0].stats.budgets).most_common(1)[0][0] == 0

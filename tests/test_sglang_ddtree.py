@@ -11,6 +11,7 @@ attention, KV moves, slot writes) come from this package's hooks; nothing else i
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -59,8 +60,11 @@ def float32_copy(src: Path, dst: Path, chat_template: str | None = None) -> Path
     return dst
 
 
-def server_command(pair: dict[str, Path], port: int, budget: int | None) -> list[str]:
-    """The unmodified CPU launch command, plus the DDTREE flags when ``budget`` is given."""
+def server_command(
+    pair: dict[str, Path], port: int, budget: int | None, mode: str | None = None
+) -> list[str]:
+    """The unmodified CPU launch command, plus the DDTREE flags when ``budget`` is given: that
+    budget every step, or (``mode="auto"``) budget control up to it."""
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(pair["target"]),
@@ -81,6 +85,7 @@ def server_command(pair: dict[str, Path], port: int, budget: int | None) -> list
             "--speculative-algorithm", "DDTREE",
             "--speculative-draft-model-path", str(pair["drafter"]),
             "--speculative-num-draft-tokens", str(budget + 1),
+            "--speculative-ddtree-budget", mode or str(budget),
         ]  # fmt: skip
     return command
 
@@ -356,6 +361,31 @@ def test_ddtree_under_kv_pressure_equals_no_speculation(pair, prompts, baseline,
     for server in running_server(command, log):
         assert server.greedy(prompts[:16], 8) == baseline["sequential"][:16]
     assert "Retract requests" in log.read_text()
+
+
+@pytest.mark.parametrize("graft", ["none", "unified"])
+def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
+    graft, pair, prompts, baseline, seeded_outputs, offline_target, tmp_path_factory
+):
+    """``--speculative-ddtree-budget auto`` (the default): the batch's budget changes between
+    steps (profiled, then chosen), and no token changes: greedy equals no speculation, and a
+    seeded sample equals the fixed budgets' and the target alone's."""
+    log = tmp_path_factory.mktemp("auto") / "server.log"
+    command = [*server_command(pair, free_port(), 32, "auto"), "--speculative-ddtree-graft", graft]
+    for server in running_server(command, log):
+        assert server.greedy(prompts, 8) == baseline["sequential"]
+        assert server.greedy(prompts[:8], 1) == baseline["sequential"][:8]
+        sampled = server.generate(prompts[1], **SEEDED)["output_ids"]
+        for earlier in seeded_outputs.values():  # the fixed-budget servers of this module
+            assert sampled == earlier
+        served = server.generate(prompts[0], **FILTERED)["output_ids"]
+        assert served == offline_sample(
+            offline_target, prompts[0], served[0], len(served), FILTERED
+        )
+    text = log.read_text()
+    assert "auto over (0, 4, 8, 16, 32)" in text
+    counts = re.findall(r"DDTREE budgets over \d+ steps: (\{[^}]*\})", text)
+    assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen
 
 
 @pytest.mark.parametrize("graft", ["unified", "stage"])

@@ -22,7 +22,7 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
         max_slots=pool_size, device=device)            # ControlConfig(fixed_budget=32): fixed
     ctl.reset(new_rows)                                  # a request arrived in these slots
     t0 = time.perf_counter()
-    drafted = ctl.should_draft()                         # host, no sync
+    drafted = ctl.should_draft(bs)                       # host, no sync
     if drafted:
         tree = build_ddtree(lp, tok, ctl.config.max_budget)  # [bs, max_budget]
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)   # sync-free

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
-from sglang_tree_spec.control.latency import LatencyModel
+from sglang_tree_spec.control.latency import LatencyModel, bucket_of
 from sglang_tree_spec.control.surrogate import (
     DEFAULT_BUDGETS,
     budget_index,
@@ -53,6 +53,9 @@ class ControlConfig:
     fixed_budget: None = auto; a number = always that budget (no reads, no latency needed).
     max_depth: L, drafted positions per step (the drafter's block - 1).
     probe_every: while auto keeps choosing 0, draft (and re-forecast) every this many steps.
+    profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
+        bucket before trusting the model (the start-up profile, served in-line: a budget
+        never changes a token, so the profile costs speed only, for a few steps).
     tie_rtol: objectives within this relative margin of the best count as ties.
     calibration: the acceptance calibration's decays and priors.
     """
@@ -61,6 +64,7 @@ class ControlConfig:
     fixed_budget: int | None = None
     max_depth: int = 15
     probe_every: int = 16
+    profile_steps: int = 0
     tie_rtol: float = 1e-6
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -153,11 +157,24 @@ class BudgetController:
     def auto(self) -> bool:
         return self.config.fixed_budget is None
 
-    def should_draft(self) -> bool:
-        """Host only. False while auto keeps choosing 0 (except every ``probe_every`` steps):
-        a plain decode step then skips the drafter entirely."""
+    def _to_profile(self, bs: int) -> int | None:
+        """The first candidate whose C(bs, N) cell has fewer than ``profile_steps``
+        measurements, or None once the bucket is profiled."""
+        latency = self.latency
+        counts = latency.count[bucket_of(latency.bs_buckets, bs)]
+        return next(
+            (b for b, n in zip(self.config.budgets, counts, strict=True)
+             if n < self.config.profile_steps),
+            None,
+        )  # fmt: skip
+
+    def should_draft(self, bs: int) -> bool:
+        """Host only. False while auto keeps choosing 0 (except every ``probe_every`` steps)
+        or profiles budget 0: a plain decode step then skips the drafter entirely."""
         if not self.auto:
             return self.config.fixed_budget > 0
+        if self._to_profile(bs) is not None:
+            return self._to_profile(bs) != 0
         if self.last_budget != 0:
             return True
         return self._steps_since_draft + 1 >= self.config.probe_every
@@ -199,6 +216,9 @@ class BudgetController:
             self._steps_since_draft += 1
             return self._count(0)
         self._steps_since_draft = 0
+        profiled = self._to_profile(bs)
+        if profiled is not None and profiled <= forecast.tree_budget:
+            return self._count(profiled)
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
         best = best_budget(
             totals,

@@ -89,6 +89,34 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
+def shape_of(name: str, config: dict, params: float, dtype_bytes: int) -> ModelShape:
+    """The :class:`ModelShape` of a decoder from its config's fields (a transformers
+    ``config.to_dict()``: ``hidden_size``, ``num_hidden_layers``, ...) and parameter count."""
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    return ModelShape(
+        name,
+        float(params),
+        int(config["num_hidden_layers"]),
+        hidden,
+        heads,
+        int(config.get("num_key_value_heads") or heads),
+        int(config.get("head_dim") or hidden // heads),
+        int(config["intermediate_size"]),
+        int(config["vocab_size"]),
+        bool(config.get("tie_word_embeddings", False)),
+        dtype_bytes,
+    )
+
+
+def device_spec(device: str) -> DeviceSpec:
+    """The roofline figures of a device: ``"cpu"``, or a CUDA device's name (H200 when it
+    says so, else H100's figures)."""
+    if device == "cpu":
+        return DEVICES["cpu"]
+    return DEVICES["h200"] if "H200" in device.upper() else DEVICES["h100"]
+
+
 def layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int, ffn: int) -> float:
     """Parameters of one dense SwiGLU decoder layer (attention + MLP, norms ignored)."""
     attention = 2.0 * hidden * (q_heads + kv_heads) * head_dim

@@ -18,21 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_tree_spec.config import DEFAULT_BUDGETS, candidate_budgets  # noqa: F401 (API)
 from sglang_tree_spec.tree.ddtree import DraftTree
-
-DEFAULT_BUDGETS: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
-
-
-def candidate_budgets(max_budget: int, base: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[int, ...]:
-    """The sorted candidate set: ``base`` capped at ``max_budget``, plus ``max_budget`` itself.
-
-    Budget 0 is a plain decode step (only the bonus token; expected committed tokens = 1); budget
-    1 is the single most probable depth-1 node. ``max_budget`` (the largest tree the server
-    reserves KV for) is always a candidate so a configured budget stays reachable.
-    """
-    if max_budget < 0 or any(b < 0 for b in base):
-        raise ValueError(f"budgets must be >= 0, got max {max_budget} and {base}")
-    return tuple(sorted({b for b in base if b <= max_budget} | {max_budget}))
 
 
 @dataclass(frozen=True)

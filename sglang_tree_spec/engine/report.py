@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from sglang_tree_spec.engine.spec_engine import PHASES, GenerationResult
 
 
@@ -18,6 +20,7 @@ def format_stats(result: GenerationResult) -> str:
             f"tau={stats.tau:.2f}, {tokens_per_s:.1f} tok/s]",
             f"  accept-length histogram: {stats.accept_hist}",
             f"  acceptance by depth: {depth or '-'}",
+            f"  budgets: {dict(sorted(Counter(stats.budgets).items()))}",
             f"  time: {split}",
         ]
     )

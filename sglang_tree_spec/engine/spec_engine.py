@@ -20,15 +20,18 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from sglang_tree_spec.config import METHODS, TreeConfig
+from sglang_tree_spec.control import LatencyModel, dflash_drafter
+from sglang_tree_spec.control.latency import device_spec, shape_of
 from sglang_tree_spec.drafters.dflash import DFlashDrafter
 from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.engine.kv import check_plain_cache, verify_attention_mask
 from sglang_tree_spec.graft import StageConfig, stage_confidences
-from sglang_tree_spec.step import Sampling, decode_step, make_selector
+from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
 from sglang_tree_spec.tree import counter_uniforms, sample_tokens
 
 PHASES = ("draft", "tree", "verify", "accept", "commit")
+MAX_REQUESTS = 4096  # prompts per generate call (slots of the budget controller's history)
 
 
 @dataclass
@@ -40,12 +43,14 @@ class RequestStats:
         accept_hist: ``accept_hist[n]`` = steps that accepted ``n`` draft tokens.
         commit_lengths: tokens committed by each step in order (accepted drafts + bonus; the
             first entry is the prefill's token), before any cut at a stop token or the limit.
+        budgets: the budget of each decode step (budget control may change it every step).
         seconds: wall time per phase (draft / select / verify / accept) of the batch steps the
             request took part in (the prefill counts as verify).
     """
 
     steps: int = 0
     accept_hist: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
     commit_lengths: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
@@ -102,7 +107,8 @@ class SpecEngine:
         drafter: a :class:`DFlashDrafter` for every method but ``ar``.
         method: one of :data:`~sglang_tree_spec.config.METHODS` (ignored when ``config`` is
             given).
-        budget: DDTree node budget B (verify window B + 1).
+        budget: DDTree node budget B (verify window B + 1); with ``auto``, the largest.
+        auto: choose each step's budget (:mod:`sglang_tree_spec.control`).
         topk: tokens per drafted position (default: the budget; see :class:`TreeConfig`).
         stage: the stage rule of ``ddtree-graft-stage`` (calibrate it on training prompts), and
             the checkpoints :attr:`confidence_log` records.
@@ -126,13 +132,14 @@ class SpecEngine:
         topk: int | None = None,
         stage: StageConfig | None = None,
         config: TreeConfig | None = None,
+        auto: bool = False,
     ) -> None:
         if config is None:
             if method not in METHODS:
                 raise ValueError(f"method must be one of {METHODS}, got {method!r}")
             if not isinstance(budget, int) or budget < 1:
                 raise ValueError(f"budget must be an int >= 1, got {budget!r}")
-            config = TreeConfig.for_method(method, budget, topk)
+            config = TreeConfig.for_method(method, budget, topk, auto)
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         if config.drafts:
             if drafter is None:
@@ -153,11 +160,32 @@ class SpecEngine:
         self.dtype = target.dtype
         self.stage = stage or StageConfig()
         self.selector = make_selector(config, self.vocab_size, self.device, self.stage)
+        max_depth = drafter.block_size - 1 if drafter is not None else 0
+        self.controller = make_controller(
+            config, max_depth, MAX_REQUESTS, self.device, self._latency_model(config)
+        )
         self.grafter = self.selector if config.graft != "none" else None
         self.successors = self.grafter.successors if self.grafter else None
         self.edge_acceptance = self.grafter.edge_acceptance if self.grafter else None
         self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.timer = PhaseTimer(True, self.device, report=None)
+
+    def _latency_model(self, config: TreeConfig) -> LatencyModel | None:
+        """The roofline prior of this target and drafter on this device (auto budget only)."""
+        if not config.auto:
+            return None
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        params = sum(p.numel() for p in self.target.parameters())
+        target = shape_of("target", self.target.config.to_dict(), params, dtype_bytes)
+        drafter = dflash_drafter(target, self.drafter.config.num_hidden_layers)
+        device = "cpu" if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
+        return LatencyModel.from_roofline(
+            target,
+            device_spec(device),
+            config.budgets,
+            drafter=drafter,
+            block=self.drafter.block_size,
+        )
 
     # ------------------------------------------------------------------------- public API
 
@@ -181,6 +209,7 @@ class SpecEngine:
         """
         prompts = [list(p) for p in prompts]
         self._check_request(prompts, max_new_tokens, temperature, top_p, top_k)
+        self.controller.reset(torch.arange(len(prompts), device=self.device))
         stops = set(self._default_stops() if stop_token_ids is None else stop_token_ids)
         base_seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         sampling = (temperature, top_k, top_p)
@@ -207,6 +236,8 @@ class SpecEngine:
     def _check_request(self, prompts, max_new_tokens, temperature, top_p, top_k) -> None:
         if not prompts:
             raise ValueError("no prompts given")
+        if len(prompts) > MAX_REQUESTS:
+            raise ValueError(f"at most {MAX_REQUESTS} prompts per call, got {len(prompts)}")
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
@@ -287,10 +318,11 @@ class SpecEngine:
         result = decode_step(
             backend,
             self.selector,
-            self.budget,
+            self.controller,
             self._sampling(sampling, batch.seeds),
             batch.bonus,
             backend.prefix_lens,
+            torch.tensor(batch.ids, device=self.device),
             timer=self.timer,
         )
         batch.bonus = result.accept.bonus
@@ -301,6 +333,7 @@ class SpecEngine:
         rows_out = result.committed_tokens.tolist()
         for row, request in enumerate(batch.ids):
             stats[request].record(lens[row] - 1)
+            stats[request].budgets.append(result.budget)
             for phase, seconds in self.timer.last_step.items():
                 stats[request].seconds[phase] += seconds
         return [rows_out[row][: lens[row]] for row in range(batch.size)]

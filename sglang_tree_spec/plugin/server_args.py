@@ -33,6 +33,20 @@ GRAFT_HELP = (
 )
 
 
+BUDGET_HELP = (
+    "DDTREE only. 'auto' (default): every decode step the tree budget of the whole batch is "
+    "chosen from the predicted accepted tokens per second (a surrogate read from the tree, "
+    "calibrated on acceptance history, over a latency model profiled on this device), among "
+    "the candidates up to --speculative-num-draft-tokens minus one; 0 is a plain decode step. "
+    "A number: that budget every step."
+)
+
+CANDIDATES_HELP = (
+    "DDTREE only. The budgets 'auto' chooses from, comma-separated and increasing (default: "
+    "0,4,8,16,32,64 up to the largest budget, and the largest budget)."
+)
+
+
 @dataclasses.dataclass
 class DDTreeServerArgs(sglang_server_args.ServerArgs):
     """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other algorithms)."""
@@ -41,6 +55,8 @@ class DDTreeServerArgs(sglang_server_args.ServerArgs):
     speculative_ddtree_graft: A[
         str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
     ] = "none"
+    speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
+    speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
 
     @property
     def max_speculative_num_draft_tokens(self) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, Qwen3Config
 
-from sglang_tree_spec.config import GRAFT_POLICIES
+from sglang_tree_spec.config import GRAFT_POLICIES, TreeConfig
 from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ def validate_server_args(server_args: Any) -> None:
     check_budget(server_args.speculative_num_draft_tokens)
     check_topk(getattr(server_args, "speculative_ddtree_topk", None))
     check_graft(getattr(server_args, "speculative_ddtree_graft", "none"))
+    tree_config(server_args)  # budget mode and candidates against the largest budget
     view = _resolved(server_args)
     check_device(view.device)
     check_attention_backends(view.device, *_attention_backends(view))
@@ -90,6 +91,30 @@ def check_budget(num_draft_tokens: int | None) -> None:
             f"tree budget {budget} (--speculative-num-draft-tokens {num_draft_tokens} minus the "
             f"root) is out of range [{MIN_BUDGET}, {MAX_BUDGET}]"
         )
+
+
+def tree_config(server_args: Any) -> TreeConfig:
+    """The :class:`TreeConfig` of DDTREE's flags (``--speculative-num-draft-tokens`` is the
+    largest budget plus the root; the drafter's block when unset)."""
+    tokens = server_args.speculative_num_draft_tokens
+    largest = int(tokens) - 1 if tokens is not None else MAX_BUDGET
+    mode = str(getattr(server_args, "speculative_ddtree_budget", "auto"))
+    if mode != "auto" and not (mode.isdigit() and int(mode) <= largest):
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-budget must be 'auto' or a number in [0, {largest}] (the "
+            f"largest budget, --speculative-num-draft-tokens minus one), got {mode!r}"
+        )
+    candidates = getattr(server_args, "speculative_ddtree_candidates", None)
+    try:
+        return TreeConfig(
+            budget=largest if mode == "auto" else int(mode),
+            topk=getattr(server_args, "speculative_ddtree_topk", None),
+            graft=getattr(server_args, "speculative_ddtree_graft", "none"),
+            auto=mode == "auto",
+            candidates=tuple(int(c) for c in candidates.split(",")) if candidates else None,
+        )
+    except ValueError as error:
+        raise DDTreeConfigError(f"--speculative-ddtree-candidates: {error}") from None
 
 
 def check_topk(topk: int | None) -> None:

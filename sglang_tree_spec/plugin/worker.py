@@ -21,21 +21,15 @@ from typing import Any
 
 import torch
 
-from sglang_tree_spec.config import TreeConfig
+from sglang_tree_spec.control import LatencyModel, dflash_drafter
+from sglang_tree_spec.control.latency import device_spec, shape_of
 from sglang_tree_spec.plugin.backend import SGLangBackend
-from sglang_tree_spec.step import Sampling, decode_step, make_selector
+from sglang_tree_spec.plugin.validation import tree_config
+from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
 
 logger = logging.getLogger(__name__)
-
-
-def tree_config(server_args: Any) -> TreeConfig:
-    """The :class:`TreeConfig` of DDTREE's server flags."""
-    return TreeConfig(
-        budget=int(server_args.speculative_num_draft_tokens) - 1,
-        topk=getattr(server_args, "speculative_ddtree_topk", None),
-        graft=getattr(server_args, "speculative_ddtree_graft", "none"),
-    )
+BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto only)
 
 
 def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
@@ -84,7 +78,6 @@ def _define_worker() -> type:
         def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(server_args, *args, **kwargs)
             self.config = tree_config(server_args)
-            self.budget = self.config.budget
             # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
             # that is the verify window (budget + 1) and the block is the drafter's.
             self.block_size = int(server_args.speculative_dflash_block_size)
@@ -103,15 +96,40 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
+            self.controller = make_controller(
+                self.config,
+                self.block_size - 1,
+                int(self.model_runner.req_to_token_pool.size),
+                self.device,
+                self._latency_model() if self.config.auto else None,
+            )
+            self._steps = 0
             logger.info(
-                "DDTREE worker: %s, budget %d, drafter block %d, top-K %d, graft %s, "
+                "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s, "
                 "LM head over %d vocabulary shard(s)",
                 self.config.method,
-                self.budget,
+                f"auto over {self.config.budgets}" if self.config.auto else self.config.budget,
                 self.block_size,
                 self.config.k,
                 self.config.graft,
                 self.tp_group.world_size,
+            )
+
+        def _latency_model(self) -> LatencyModel:
+            """The roofline prior of this target and drafter on this device."""
+            runner = self.target_worker.model_runner
+            dtype_bytes = torch.finfo(next(runner.model.parameters()).dtype).bits // 8
+            params = sum(p.numel() for p in runner.model.parameters())
+            hf_config = runner.model_config.hf_config.to_dict()
+            target = shape_of("target", hf_config, params, dtype_bytes)
+            drafter_layers = self.draft_model_runner.model_config.hf_config.num_hidden_layers
+            device = "cpu" if self.device == "cpu" else torch.cuda.get_device_name(self.device)
+            return LatencyModel.from_roofline(
+                target,
+                device_spec(str(device)),
+                self.config.budgets,
+                drafter=dflash_drafter(target, drafter_layers),
+                block=self.block_size,
             )
 
         def init_cuda_graphs(self) -> None:
@@ -122,6 +140,7 @@ def _define_worker() -> type:
         ) -> Any:
             if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
                 self._observe_prompts(batch.reqs)
+                self.controller.reset(batch.req_pool_indices.to(torch.int64))
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
             if batch.forward_mode.is_idle():
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
@@ -135,13 +154,15 @@ def _define_worker() -> type:
             result = decode_step(
                 backend,
                 self.selector,
-                self.budget,
+                self.controller,
                 batch_sampling(batch, self.device),
                 batch.spec_info.bonus_tokens.to(torch.int64),  # [bs] slot-0 tokens
                 prefix_lens,
+                batch.req_pool_indices.to(torch.int64),
                 timer=self._timer,
                 generator=self._generator,
             )
+            self._log_budgets()
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
                 on_publish(new_seq_lens)
@@ -156,6 +177,23 @@ def _define_worker() -> type:
                 ),
                 speculative_num_draft_tokens=out_tokens.shape[1],
                 new_seq_lens=new_seq_lens,
+            )
+
+        def _log_budgets(self) -> None:
+            """Every ``BUDGET_LOG_EVERY`` steps under auto: the chosen budgets and the
+            predicted vs observed accepted lengths (one device read)."""
+            self._steps += 1
+            if not self.config.auto or self._steps % BUDGET_LOG_EVERY:
+                return
+            stats = self.controller.stats()
+            logger.info(
+                "DDTREE budgets over %d steps: %s, accept length predicted %.2f observed %.2f, "
+                "step time model error %.0f%%",
+                self._steps,
+                stats.budget_counts,
+                stats.mean_predicted_accept,
+                stats.mean_observed_accept,
+                100 * stats.latency_mean_abs_rel_error,
             )
 
         def _observe_prompts(self, reqs: list[Any]) -> None:
