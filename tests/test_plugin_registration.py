@@ -1,4 +1,4 @@
-"""The SGLang plugin against the real installed SGLang 0.5.17 (no mocks).
+"""The SGLang plugin against the real installed SGLang (0.5.17 or 0.5.23; no mocks).
 
 Entry-point discovery, DDTREE registration after ``load_plugins()``, the hooks and their
 upstream diffs, the ``--speculative-ddtree-*`` flags, and start-up validation: directly, through
@@ -22,8 +22,12 @@ import pytest
 from transformers import Qwen3Config
 
 from sglang_tree_spec.drafters import DFlashDrafter
-from sglang_tree_spec.plugin import register
-from sglang_tree_spec.plugin.hooks import HOOKS, SGLANG_VERSION
+from sglang_tree_spec.plugin import compat, register
+from sglang_tree_spec.plugin.compat import RELEASES, check_release
+from sglang_tree_spec.plugin.hooks import installed_hooks
+
+SGLANG_VERSION = check_release()  # the installed release (a tested one; else this fails)
+HOOKS = installed_hooks()
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH_DIR = ROOT / "patches" / f"sglang-{SGLANG_VERSION}"
@@ -86,7 +90,8 @@ def sglang_plugins() -> None:
 
 
 def server_args(models: dict[str, str], **overrides: Any) -> Any:
-    """A real (hooked) ``ServerArgs`` for the tiny target on CPU, ``__post_init__`` and all."""
+    """A real (hooked), resolved ``ServerArgs`` for the tiny target on CPU (0.5.17 resolves in
+    ``__post_init__``, 0.5.23 in ``resolve_once``)."""
     from sglang.srt import server_args as sa
 
     kwargs = {
@@ -95,7 +100,7 @@ def server_args(models: dict[str, str], **overrides: Any) -> Any:
         "attention_backend": "torch_native",
         **overrides,
     }
-    return sa.ServerArgs(**kwargs)
+    return compat.resolve(sa.ServerArgs(**kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +112,7 @@ def test_sglang_is_installed_at_the_supported_version():
     import sglang  # noqa: F401  (an ImportError fails the test: CI installs SGLang)
 
     assert importlib.metadata.version("sglang") == SGLANG_VERSION
+    assert SGLANG_VERSION in RELEASES
 
 
 def test_entry_point_is_discoverable():
@@ -222,7 +228,7 @@ def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
         "--speculative-draft-model-path", models["drafter"],
         "--speculative-ddtree-topk", "8",
     ]  # fmt: skip
-    args = sa.ServerArgs.from_cli_args(parser.parse_args(argv))
+    args = compat.resolved(compat.resolve(sa.ServerArgs.from_cli_args(parser.parse_args(argv))))
     assert args.speculative_algorithm == "DDTREE"
     assert args.speculative_ddtree_topk == 8
     assert args.speculative_ddtree_graft == "none"
@@ -338,11 +344,13 @@ def test_validation_refuses_unsupported_devices():
 
 
 def test_server_args_with_ddtree_get_defaults(sglang_plugins, models):
-    args = server_args(
-        models,
-        speculative_algorithm="DDTREE",
-        speculative_draft_model_path=models["drafter"],
-        enable_mixed_chunk=True,
+    args = compat.resolved(
+        server_args(
+            models,
+            speculative_algorithm="DDTREE",
+            speculative_draft_model_path=models["drafter"],
+            enable_mixed_chunk=True,
+        )
     )
     assert args.speculative_algorithm == "DDTREE"
     assert args.disable_overlap_schedule is True  # supports_overlap=False: set by the algorithm
@@ -354,12 +362,14 @@ def test_server_args_with_ddtree_get_defaults(sglang_plugins, models):
 
 
 def test_server_args_with_ddtree_keep_an_explicit_budget(sglang_plugins, models):
-    args = server_args(
-        models,
-        speculative_algorithm="DDTREE",
-        speculative_draft_model_path=models["drafter"],
-        speculative_num_draft_tokens=65,
-        speculative_ddtree_topk=16,
+    args = compat.resolved(
+        server_args(
+            models,
+            speculative_algorithm="DDTREE",
+            speculative_draft_model_path=models["drafter"],
+            speculative_num_draft_tokens=65,
+            speculative_ddtree_topk=16,
+        )
     )
     assert args.speculative_num_draft_tokens == 65
     assert args.speculative_ddtree_topk == 16
@@ -368,17 +378,27 @@ def test_server_args_with_ddtree_keep_an_explicit_budget(sglang_plugins, models)
 def test_req_to_token_rows_hold_the_decode_reservation(sglang_plugins, models):
     """A DDTREE row holds context + 4 + the whole 2x reservation (hook 0012); without
     speculation the row is SGLang's own."""
-    from sglang.srt.mem_cache import allocation_sizing
-
     ddtree = server_args(
         models,
         speculative_algorithm="DDTREE",
         speculative_draft_model_path=models["drafter"],
         speculative_num_draft_tokens=33,
     )
-    assert allocation_sizing.get_req_to_token_extra_context_len(ddtree) == 4 + 2 * 33
-    plain = server_args(models)
-    assert allocation_sizing.get_req_to_token_extra_context_len(plain) == 4
+    assert extra_context_len(ddtree) == 4 + 2 * 33
+    assert extra_context_len(server_args(models)) == 4
+
+
+def extra_context_len(args: Any) -> int:
+    """``get_req_to_token_extra_context_len`` for ``args``: 0.5.17 takes them, 0.5.23 reads
+    the published bags (published here as the scheduler does)."""
+    from sglang.srt.mem_cache import allocation_sizing
+
+    if SGLANG_VERSION == "0.5.17":
+        return allocation_sizing.get_req_to_token_extra_context_len(args)
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(args)
+    return allocation_sizing.get_req_to_token_extra_context_len()
 
 
 @pytest.mark.parametrize(

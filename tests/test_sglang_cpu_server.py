@@ -1,4 +1,4 @@
-"""A real SGLang 0.5.17 server on CPU serves a tiny random Qwen3 model made here.
+"""A real SGLang server (0.5.17 or 0.5.23) on CPU serves a tiny random Qwen3 model made here.
 
 No speculation: this checks the CPU serving path every DDTREE test builds on. The server is the
 unmodified ``python -m sglang.launch_server``; the rotary fix it needs on CPU comes from this
@@ -22,6 +22,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.server_process import (
     START_TIMEOUT_S,
     free_port,
@@ -240,7 +241,9 @@ def test_cpu_server_ran_the_plugin_in_every_process(cpu_server):
     # The launcher parsed its arguments with the plugin's ServerArgs (the REPLACE hook); the
     # scheduler built the model only because the plugin's rotary hook ran there too (see the
     # control below).
-    assert "server_args=DDTreeServerArgs(" in log.read_text()
+    # (0.5.17 logs the record's repr, 0.5.23 a dict of its fields: both show a DDTREE field.)
+    text = log.read_text()
+    assert "server_args=DDTreeServerArgs(" in text or "'speculative_ddtree_graft': 'none'" in text
     assert seconds < START_TIMEOUT_S
     info = http_json(f"{base_url}/get_server_info")
     assert info["device"] == "cpu"
@@ -261,9 +264,43 @@ def test_cpu_server_refuses_hostile_requests_and_keeps_serving(cpu_server):
     assert len(greedy_generate(base_url, [[0, VOCAB - 1]])[0]["output_ids"]) == MAX_NEW_TOKENS
 
 
+PREFILL_GRAPH_OFF = "sglang-tree-spec: prefill CUDA graph (tc_piecewise) turned off on --device cpu"
+
+
+def device_cpu_alone(command: list[str]) -> list[str]:
+    """``command`` without ``--attention-backend``: only ``--device cpu`` says CPU."""
+    index = command.index("--attention-backend")
+    return command[:index] + command[index + 2 :]
+
+
+def test_device_cpu_alone_serves_without_speculation(tiny_model, tmp_path):
+    """``--device cpu`` without ``--attention-backend``: SGLang 0.5.17 captured its piecewise
+    prefill CUDA graph at start-up and died (no CPU kernel for its attention op); the plugin
+    turns it off with one log line (0.5.23 turns it off itself). Greedy output equals
+    transformers'."""
+    path, model = tiny_model
+    command = device_cpu_alone(cpu_server_command(path, free_port()))
+    log = tmp_path / "server.log"
+    process = launch(command, log, plugins="ddtree")
+    try:
+        base_url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        wait_until_healthy(base_url, process, log)
+        reply = greedy_generate(base_url, PROMPTS)
+    finally:
+        stop(process)
+    for prompt, item in zip(PROMPTS, reply, strict=True):
+        assert item["output_ids"] == greedy_reference(model, prompt, MAX_NEW_TOKENS)[0], prompt
+    text = log.read_text()
+    assert "Capture target prefill CUDA graph begin" not in text
+    if compat.check_release() == "0.5.17":
+        assert text.count(PREFILL_GRAPH_OFF) >= 1, text[-4000:]
+
+
 def test_ddtree_on_a_qwen3_target_equals_transformers(tiny_model, tmp_path):
     """A second architecture (Qwen3: q/k norms, GQA) under DDTREE, with a random DFlash drafter
-    of block 4 and a tree budget of 8: greedy output equals transformers' token for token."""
+    of block 4 and a tree budget of 8: greedy output equals transformers' token for token.
+    The launch command says ``--device cpu`` alone (no ``--attention-backend``), so this is also
+    the prefill-graph-off case with speculation."""
     from sglang_tree_spec.drafters.dflash import DFlashDrafter
 
     path, model = tiny_model
@@ -273,7 +310,7 @@ def test_ddtree_on_a_qwen3_target_equals_transformers(tiny_model, tmp_path):
         model.config, num_layers=1, block_size=4, target_layer_ids=[0]
     ).save_pretrained(drafter)
     command = [
-        *cpu_server_command(path, free_port()),
+        *device_cpu_alone(cpu_server_command(path, free_port())),
         "--speculative-algorithm", "DDTREE",
         "--speculative-draft-model-path", str(drafter),
         "--speculative-num-draft-tokens", "9",

@@ -205,7 +205,7 @@ def _rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
         init = Qwen3RotaryEmbedding.compute_default_rope_parameters
     else:
         init = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, scaling = init(config, None)
+    inv_freq, scaling = init(config)  # config only: transformers 5.19 takes no device
     return inv_freq.float(), float(scaling)
 
 

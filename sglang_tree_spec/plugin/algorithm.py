@@ -47,6 +47,20 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
     def handle_server_args(self, server_args: Any) -> None:
         validation.apply_defaults(server_args)
 
+    def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
+        """KV slots SGLang 0.5.23 reserves per request and decode step (0.5.17 has no such
+        method; ``DDTreeServerArgs.max_speculative_num_draft_tokens`` does it there): the
+        longer of the verify window and the drafter's block, which a step writes at the same
+        slots (see ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``)."""
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+        tokens = cfg.speculative_num_draft_tokens
+        block = validation.load_drafter(
+            cfg.speculative_draft_model_path, cfg.speculative_draft_model_revision
+        ).block_size
+        return block if tokens is None else max(int(tokens), block)
+
     def get_num_tokens_per_req_for_target_verify(
         self, num_draft_tokens: int, is_draft_worker: bool
     ) -> int:
@@ -90,7 +104,10 @@ def register_algorithm() -> None:
 
 
 def _server_args() -> Any:
-    """The process-wide ServerArgs SGLang published (scheduler and worker processes)."""
+    """The process-wide ServerArgs SGLang published (scheduler and worker processes), as
+    resolved (0.5.23 keeps resolved values in declarations, read through a view)."""
     from sglang.srt.runtime_context import get_server_args
 
-    return get_server_args()
+    from sglang_tree_spec.plugin import compat
+
+    return compat.resolved(get_server_args())

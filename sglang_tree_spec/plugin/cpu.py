@@ -8,9 +8,12 @@ served dtype). :mod:`.hooks` lists them with their upstream diffs.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def native_rotary_on_cpu(*args: Any, **kwargs: Any) -> None:
@@ -51,6 +54,45 @@ def torch_native_draft_backend_on_cpu(original: Any, *args: Any, **kwargs: Any) 
     """
     draft_args = kwargs.get("draft_server_args", args[0] if args else None)
     if draft_args is not None and str(draft_args.device) == "cpu":
+        return "torch_native"
+    return original(*args, **kwargs)
+
+
+def prefill_graph_off_on_cpu(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on ``ServerArgs._apply_cuda_graph_compatibility`` (SGLang 0.5.17).
+
+    0.5.17 turns the prefill CUDA graph off on CPU only when ``SGLANG_USE_CPU_ENGINE=1`` (its
+    ``is_cpu()``); with ``--device cpu`` alone it captures the ``tc_piecewise`` prefill graph at
+    start-up and dies (``sglang::unified_attention_with_output`` has no CPU kernel), with or
+    without speculation. On a CPU device the prefill graph is turned off, with one log line.
+    (0.5.23 resolves it off on CPU itself.) Mirrored by
+    ``patches/sglang-0.5.17/0020-prefill-cuda-graph-off-on-cpu.diff``.
+    """
+    result = original(server_args, *args, **kwargs)
+    if str(server_args.device) != "cpu":
+        return result
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    prefill = server_args.cuda_graph_config.prefill
+    if prefill.backend != Backend.DISABLED:
+        logger.info(
+            "sglang-tree-spec: prefill CUDA graph (%s) turned off on --device cpu "
+            "(its captured attention has no CPU kernel)",
+            prefill.backend,
+        )
+        prefill.backend = Backend.DISABLED
+    return result
+
+
+def torch_native_draft_worker_backend_on_cpu(original: Any, *args: Any, **kwargs: Any) -> str:
+    """AROUND hook on ``draft_worker_common.resolve_draft_worker_attention_backend`` (0.5.23).
+
+    0.5.23's resolver (which replaced ``_resolve_draft_attention_backend_fallback``) reads the
+    published bags and still falls back to flashinfer for any backend outside its draft list;
+    on a CPU server the drafter keeps the torch-native backend. Mirrored by
+    ``patches/sglang-0.5.23/0006-torch-native-draft-backend-on-cpu.diff``.
+    """
+    if serving_device() == "cpu":
         return "torch_native"
     return original(*args, **kwargs)
 

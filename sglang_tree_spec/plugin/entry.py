@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 _registered = False
 
 
@@ -14,9 +17,36 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from sglang_tree_spec.plugin.compat import UnsupportedSGLang, check_release
+
+    try:
+        check_release()
+    except UnsupportedSGLang as error:
+        _refuse_ddtree(error)
+        _registered = True
+        return
     from sglang_tree_spec.plugin.algorithm import register_algorithm
     from sglang_tree_spec.plugin.hooks import register_hooks
 
     register_algorithm()
     register_hooks()
     _registered = True
+
+
+def _refuse_ddtree(error: Exception) -> None:
+    """On an SGLang the plugin cannot serve: no hooks (SGLang serves exactly as without the
+    plugin), one log line, and ``--speculative-algorithm DDTREE`` fails at start-up with it."""
+    logging.getLogger(__name__).error("%s", error)
+
+    def refuse(*_: Any) -> Any:
+        raise error
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from sglang_tree_spec.plugin.validation import ALGORITHM
+
+    if get_spec(ALGORITHM) is None:
+        SpeculativeAlgorithm.register(
+            ALGORITHM, supports_overlap=False, validate_server_args=refuse
+        )(refuse)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-SGLANG_VERSION = "0.5.17"
+SGLANG_VERSION = "0.5.17"  # the release of HOOKS; HOOKS_BY_RELEASE holds every tested release
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,18 @@ def _torch_native_draft_backend_on_cpu() -> Callable[..., str]:
     from sglang_tree_spec.plugin.cpu import torch_native_draft_backend_on_cpu
 
     return torch_native_draft_backend_on_cpu
+
+
+def _prefill_graph_off_on_cpu() -> Callable[..., Any]:
+    from sglang_tree_spec.plugin.cpu import prefill_graph_off_on_cpu
+
+    return prefill_graph_off_on_cpu
+
+
+def _torch_native_draft_worker_backend_on_cpu() -> Callable[..., str]:
+    from sglang_tree_spec.plugin.cpu import torch_native_draft_worker_backend_on_cpu
+
+    return torch_native_draft_worker_backend_on_cpu
 
 
 def _assign_req_to_token_on_cpu() -> Callable[..., None]:
@@ -188,9 +200,61 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
+# 0.5.17 only (0.5.23 turns the prefill graph off on CPU itself); numbered 0020 to stay clear of
+# the numbers other work in progress takes.
+HOOKS += (
+    Hook(
+        target="sglang.srt.server_args.ServerArgs._apply_cuda_graph_compatibility",
+        kind="AROUND",
+        make=_prefill_graph_off_on_cpu,
+        patch="0020-prefill-cuda-graph-off-on-cpu.diff",
+        reason="--device cpu without SGLANG_USE_CPU_ENGINE keeps the piecewise prefill CUDA "
+        "graph, whose capture dies on CPU (with or without speculation)",
+    ),
+)
+
+_BY_PATCH = {hook.patch: hook for hook in HOOKS}
+
+# SGLang 0.5.23 (patches/sglang-0.5.23/): the same reasons, each read against 0.5.23's source.
+# 0.5.23 resolves ServerArgs into per-namespace bags, so several targets read the bags instead
+# of a ServerArgs argument (the hook callables accept both forms); DDTREE's KV reservation
+# (0.5.17's diff 0010) goes through 0.5.23's public
+# ``CustomSpecAlgo.resolve_max_speculative_num_draft_tokens`` (algorithm.py), no hook.
+HOOKS_0_5_23: tuple[Hook, ...] = (
+    _BY_PATCH["0001-server-args-ddtree-flags.diff"],
+    _BY_PATCH["0008-engine-server-args-class-after-plugins.diff"],
+    _BY_PATCH["0012-req-to-token-row-holds-the-decode-reservation.diff"],
+    _BY_PATCH["0013-dflash-refuses-penalties.diff"],
+    _BY_PATCH["0002-rotary-native-on-cpu.diff"],
+    _BY_PATCH["0005-native-kv-move-on-cpu.diff"],
+    Hook(
+        target="sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend",
+        kind="AROUND",
+        make=_torch_native_draft_worker_backend_on_cpu,
+        patch="0006-torch-native-draft-backend-on-cpu.diff",
+        reason="draft workers fall back to flashinfer for any backend outside their list "
+        "(0.5.23 renamed the resolver and reads the bags); on CPU keep torch_native",
+    ),
+    _BY_PATCH["0007-assign-req-to-token-on-cpu.diff"],
+    _BY_PATCH["0009-input-embeds-in-model-dtype.diff"],
+    _BY_PATCH["0011-no-pynccl-for-gloo-groups.diff"],
+    _BY_PATCH["0004-torch-native-target-verify.diff"],
+)
+
+HOOKS_BY_RELEASE: dict[str, tuple[Hook, ...]] = {"0.5.17": HOOKS, "0.5.23": HOOKS_0_5_23}
+"""The hook table of every tested release (``compat.RELEASES``)."""
+
+
+def installed_hooks() -> tuple[Hook, ...]:
+    """The hook table for the installed SGLang (``compat.check_release``)."""
+    from sglang_tree_spec.plugin.compat import check_release
+
+    return HOOKS_BY_RELEASE[check_release()]
+
+
 def register_hooks() -> None:
     """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for hook in HOOKS:
+    for hook in installed_hooks():
         HookRegistry.register(hook.target, hook.make(), HookType[hook.kind])

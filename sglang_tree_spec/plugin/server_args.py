@@ -47,37 +47,56 @@ CANDIDATES_HELP = (
 )
 
 
-@dataclasses.dataclass
-class DDTreeServerArgs(sglang_server_args.ServerArgs):
-    """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other algorithms)."""
+_SGLangServerArgs: Any = sglang_server_args.ServerArgs
 
-    speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
-    speculative_ddtree_graft: A[
-        str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
-    ] = "none"
-    speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
-    speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
+if dataclasses.is_dataclass(_SGLangServerArgs):  # SGLang 0.5.17
 
-    @property
-    def max_speculative_num_draft_tokens(self) -> int | None:
-        """KV slots SGLang reserves per request and decode step.
+    @dataclasses.dataclass
+    class DDTreeServerArgs(_SGLangServerArgs):
+        """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other
+        algorithms)."""
 
-        A DDTREE step writes the verify window (``--speculative-num-draft-tokens``) and, before
-        it, the drafter's block at the same slots; the reservation covers the longer of the
-        two, so a budget below the block size works (down to half the block: SGLang's DFlash
-        decode reserves twice the window, see ``validation.check_window_covers_block``).
-        Mirrored by ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``. (A plain
-        property, not SGLang's cached one: the block size is filled in after the arguments
-        are parsed.)
-        """
-        tokens = super().max_speculative_num_draft_tokens
-        block = self.speculative_dflash_block_size
-        if self.speculative_algorithm == ALGORITHM and tokens is not None and block:
-            return max(tokens, int(block))
-        return tokens
+        speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
+        speculative_ddtree_graft: A[
+            str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
+        ] = "none"
+        speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
+        speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
+
+        @property
+        def max_speculative_num_draft_tokens(self) -> int | None:
+            """KV slots SGLang reserves per request and decode step.
+
+            A DDTREE step writes the verify window (``--speculative-num-draft-tokens``) and,
+            before it, the drafter's block at the same slots; the reservation covers the longer
+            of the two, so a budget below the block size works (down to half the block:
+            SGLang's DFlash decode reserves twice the window, see
+            ``validation.check_window_covers_block``). Mirrored by
+            ``patches/sglang-0.5.17/0010-ddtree-kv-reservation.diff``. (A plain property, not
+            SGLang's cached one: the block size is filled in after the arguments are parsed.)
+            On 0.5.23 the algorithm's ``resolve_max_speculative_num_draft_tokens`` does this.
+            """
+            tokens = super().max_speculative_num_draft_tokens
+            block = self.speculative_dflash_block_size
+            if self.speculative_algorithm == ALGORITHM and tokens is not None and block:
+                return max(tokens, int(block))
+            return tokens
+
+else:  # SGLang 0.5.23: a msgspec Struct assembled from per-namespace field classes
+
+    class DDTreeServerArgs(_SGLangServerArgs, dict=True):  # type: ignore[no-redef]
+        """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other
+        algorithms); ``dict=True`` as SGLang's own (it keeps resolution bookkeeping)."""
+
+        speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
+        speculative_ddtree_graft: A[
+            str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
+        ] = "none"
+        speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
+        speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
 
 
-def req_to_token_headroom(original: Callable[[Any], int], server_args: Any) -> int:
+def req_to_token_headroom(original: Callable[..., int], *server_args: Any) -> int:
     """AROUND hook on ``mem_cache.allocation_sizing.get_req_to_token_extra_context_len``.
 
     A ``req_to_token`` row holds ``context_len + extra`` slots. A speculative decode step
@@ -90,7 +109,17 @@ def req_to_token_headroom(original: Callable[[Any], int], server_args: Any) -> i
     """
     from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 
-    extra = original(server_args)
-    if server_args.speculative_algorithm != ALGORITHM:
+    # 0.5.17 passes ServerArgs; 0.5.23 takes no argument and reads the published bags.
+    extra = original(*server_args)
+    if _speculative_algorithm(*server_args) != ALGORITHM:
         return extra
-    return max(extra, 4 + get_alloc_reserve_per_decode(server_args))
+    return max(extra, 4 + get_alloc_reserve_per_decode(*server_args))
+
+
+def _speculative_algorithm(*server_args: Any) -> str | None:
+    """``--speculative-algorithm`` from the given ServerArgs, else from the ``spec`` bag."""
+    if server_args:
+        return server_args[0].speculative_algorithm
+    from sglang.srt.runtime_context import get_spec
+
+    return get_spec().speculative_algorithm

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from sglang_tree_spec.config import GRAFT_POLICIES, TreeConfig
 from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
+from sglang_tree_spec.plugin import compat
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def validate_server_args(server_args: Any) -> None:
     drafter = load_drafter(
         server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
     )
-    check_drafter_matches_target(drafter, server_args.get_model_config().hf_config)
+    check_drafter_matches_target(drafter, compat.model_config(server_args).hf_config)
     check_block_size(drafter, server_args.speculative_dflash_block_size)
     check_window_covers_block(server_args.speculative_num_draft_tokens, drafter.block_size)
 
@@ -244,8 +245,10 @@ def inexact_sampling_reason(params: Any) -> str | None:
 def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> str | None:
     """AROUND hook on ``speculative.dflash_utils.validate_dflash_request``: a DDTREE server
     finishes a request it cannot decode exactly at once, with the reason (an HTTP 400), as
-    SGLang does for ``return_logprob``; SGLang's own reasons name DDTREE instead of DFLASH.
-    Mirrored by ``patches/sglang-0.5.17/0013-dflash-refuses-penalties.diff``."""
+    SGLang 0.5.17 does for ``return_logprob``; SGLang's own reasons name DDTREE instead of
+    DFLASH. (SGLang 0.5.23's DFLASH computes logprobs and no longer refuses them; the DDTREE
+    worker does not, so DDTREE still refuses ``return_logprob`` there.) Mirrored by
+    ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
     error = original(req, enable_overlap)
@@ -253,6 +256,8 @@ def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> st
         return error
     if error is not None:
         return error.replace("DFLASH", ALGORITHM)
+    if req.return_logprob:
+        return f"{ALGORITHM} speculative decoding does not support return_logprob yet."
     return inexact_sampling_reason(req.sampling_params)
 
 
@@ -348,9 +353,7 @@ def disable_overlap(server_args: Any) -> None:
 
 def _resolved(server_args: Any) -> Any:
     """SGLang's mid-resolution view of ``server_args`` (declared overrides applied)."""
-    from sglang.srt.arg_groups.overrides import resolved_view
-
-    return resolved_view(server_args)
+    return compat.resolution_view(server_args)
 
 
 def _attention_backends(view: Any) -> tuple[str | None, str | None]:

@@ -1,0 +1,247 @@
+"""Which SGLang release is installed, and where the plugin finds what it uses in it.
+
+The plugin is tested against SGLang 0.5.17 and 0.5.23 (:data:`RELEASES`). Everything it takes
+from SGLang is declared here or in :mod:`.hooks` per release:
+
+* the hook targets (``hooks.HOOKS_BY_RELEASE``), each mirrored by a diff in
+  ``patches/sglang-<release>/``;
+* :data:`INTERNALS`: the other SGLang names the plugin imports (the worker, the algorithm, the
+  flags), checked at start-up like the hook targets;
+* :data:`MOVED`: names whose module differs between releases; :func:`moved` imports them from
+  the installed release's location.
+
+:func:`check_release` runs when the plugin registers (in every SGLang process). On a tested
+release it returns that release. On another one it uses the tables of the newest tested release
+not newer than the installed one (0.5.18-0.5.22 use 0.5.17's) if every declared target exists
+there, with a one-line warning; otherwise it raises :class:`UnsupportedSGLang`, whose one line
+names the installed release and the first missing target.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import pkgutil
+from functools import cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RELEASES = ("0.5.17", "0.5.23")
+"""SGLang releases the plugin is tested on (oldest first)."""
+
+# SGLang names the plugin imports besides the hook targets, per release (dotted paths).
+_COMMON_INTERNALS = (
+    # algorithm.py
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm",
+    "sglang.srt.speculative.spec_registry.CustomSpecAlgo",
+    "sglang.srt.speculative.spec_registry.get_spec",
+    "sglang.srt.managers.overlap_utils.FutureMap",
+    "sglang.srt.runtime_context.get_server_args",
+    # server_args.py / validation.py
+    "sglang.srt.arg_groups.arg_utils.A",
+    "sglang.srt.arg_groups.arg_utils.Arg",
+    "sglang.srt.arg_groups.arg_utils.NS",
+    "sglang.srt.arg_groups.overrides.resolved_view",
+    "sglang.srt.arg_groups.overrides.attention_backends_of",
+    "sglang.srt.mem_cache.allocation_sizing.get_alloc_reserve_per_decode",
+    "sglang.srt.sampling.sampling_params.SamplingParams",
+    # cpu.py
+    "sglang.srt.layers.radix_attention.AttentionType",
+    "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
+    # worker.py
+    "sglang.srt.distributed.get_tp_group",
+    "sglang.srt.managers.scheduler.GenerationBatchResult",
+    "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
+    "sglang.srt.model_executor.forward_batch_info.ForwardMode",
+    "sglang.srt.speculative.dflash_info.DFlashVerifyInput",
+    "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments",
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2",
+    "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
+    "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
+    "sglang.srt.speculative.draft_worker_common.make_draft_input_v2",
+)
+
+INTERNALS: dict[str, tuple[str, ...]] = {
+    "0.5.17": _COMMON_INTERNALS,
+    "0.5.23": (
+        *_COMMON_INTERNALS,
+        # 0.5.23 resolves the configuration into per-namespace bags (server_args.py).
+        "sglang.srt.runtime_context.get_spec",
+        "sglang.srt.runtime_context.max_speculative_num_draft_tokens",
+    ),
+}
+
+MOVED: dict[str, dict[str, str]] = {
+    # 0.5.23 moved the tree-verify kernels to sglang.kernels (eagle_utils re-exports them).
+    "verify_tree_greedy_func": {
+        "0.5.17": "sglang.srt.speculative.eagle_utils.verify_tree_greedy_func",
+        "0.5.23": "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func",
+    },
+    "TreeMaskMode": {
+        "0.5.17": "sglang.srt.speculative.eagle_utils.TreeMaskMode",
+        "0.5.23": "sglang.kernels.ops.speculative.spec_tree.TreeMaskMode",
+    },
+}
+
+
+class UnsupportedSGLang(RuntimeError):
+    """The installed SGLang lacks something the plugin needs (one-line message)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"DDTREE: {message}")
+
+
+def installed_version() -> str:
+    """The installed SGLang's version string (``importlib.metadata``)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise UnsupportedSGLang("SGLang is not installed") from None
+
+
+def _key(version: str) -> tuple[int, ...]:
+    """``"0.5.23"`` -> ``(0, 5, 23)``; a suffix such as ``.post1`` or ``rc1`` is ignored."""
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def table_release(version: str) -> str | None:
+    """The tested release whose tables serve ``version``: itself, else the newest tested release
+    not newer than it; None for a release older than every tested one."""
+    if version in RELEASES:
+        return version
+    older = [r for r in RELEASES if _key(r) <= _key(version)]
+    return older[-1] if older else None
+
+
+def release() -> str:
+    """The tested release whose tables the plugin uses in this process (see
+    :func:`check_release`)."""
+    return check_release()
+
+
+def declared_targets(table: str) -> tuple[str, ...]:
+    """Every dotted SGLang name the plugin needs under release ``table``: hook targets,
+    internals, moved names."""
+    from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
+
+    hooks = tuple(hook.target for hook in HOOKS_BY_RELEASE[table])
+    moved = tuple(paths[table] for paths in MOVED.values() if table in paths)
+    return hooks + INTERNALS[table] + moved
+
+
+def missing_targets(targets: tuple[str, ...]) -> list[str]:
+    """The dotted names among ``targets`` the installed SGLang does not define."""
+    return [target for target in targets if not _exists(target)]
+
+
+def _exists(target: str) -> bool:
+    module_path, _, attribute = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(module_path)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return hasattr(owner, attribute)
+
+
+@cache
+def check_release() -> str:
+    """The tested release whose hook table and internals serve the installed SGLang.
+
+    Raises :class:`UnsupportedSGLang` (one line: the installed release, the table tried and the
+    first missing target) when the installed SGLang is not a tested release and lacks a target
+    of the nearest tested release's table; on a tested release the targets are checked by the
+    tests (``tests/test_plugin_registration.py``), not at every start-up.
+    """
+    version = installed_version()
+    if version in RELEASES:
+        return version
+    table = table_release(version)
+    tested = ", ".join(RELEASES)
+    if table is None:
+        raise UnsupportedSGLang(
+            f"SGLang {version} is older than every release sglang-tree-spec supports ({tested})"
+        )
+    missing = missing_targets(declared_targets(table))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UnsupportedSGLang(
+            f"SGLang {version} is not supported by sglang-tree-spec (tested: {tested}): "
+            f"{missing[0]}{more}, which the plugin's SGLang {table} support needs, is missing"
+        )
+    logger.warning(
+        "DDTREE: SGLang %s is untested (tested: %s); using the plugin's SGLang %s support "
+        "(every target it needs is present)",
+        version,
+        tested,
+        table,
+    )
+    return table
+
+
+def moved(name: str) -> Any:
+    """``name`` from :data:`MOVED`, imported from the installed release's module (e.g.
+    ``moved("verify_tree_greedy_func")``)."""
+    return pkgutil.resolve_name(MOVED[name][check_release()])
+
+
+def is_release(table: str) -> bool:
+    """Whether the plugin runs with release ``table``'s tables (e.g. ``is_release("0.5.23")``)."""
+    return check_release() == table
+
+
+# ---------------------------------------------------------------------------------------------
+# ServerArgs across releases: 0.5.17 resolves in ``__post_init__`` and writes the results into
+# the record; 0.5.23 resolves in ``resolve_once()`` into declarations read through views, and
+# hands a plugin's ``validate_server_args`` / ``handle_server_args`` a stand-in that reads
+# through the resolving view and records its writes.
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve(server_args: Any) -> Any:
+    """Run SGLang's resolution on a freshly built record (0.5.23's ``resolve_once``; 0.5.17
+    resolved it on construction); returns it."""
+    resolve_once = getattr(server_args, "resolve_once", None)
+    if resolve_once is not None:
+        resolve_once()
+    return server_args
+
+
+def resolved(server_args: Any) -> Any:
+    """What resolution decided (so far) for ``server_args``, read like a ServerArgs: the record
+    itself on 0.5.17, its resolving view on 0.5.23 (a plugin stand-in as it is)."""
+    if not is_release("0.5.23") or _is_stand_in(server_args):
+        return server_args
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    return resolving_view(server_args)
+
+
+def resolution_view(server_args: Any) -> Any:
+    """SGLang's mid-resolution view (declared overrides applied) inside a plugin validator."""
+    if is_release("0.5.23"):
+        return resolved(server_args)
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return resolved_view(server_args)
+
+
+def model_config(server_args: Any) -> Any:
+    """The target's ``ModelConfig`` for ``server_args`` (a record, a view or a stand-in)."""
+    if not is_release("0.5.23"):
+        return server_args.get_model_config()
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    if _is_stand_in(server_args):
+        server_args = object.__getattribute__(server_args, "_cfg")
+    return model_config_of(server_args)
+
+
+def _is_stand_in(server_args: Any) -> bool:
+    """Whether ``server_args`` is 0.5.23's plugin stand-in (``overrides._ForeignDefaults``)."""
+    return type(server_args).__name__ == "_ForeignDefaults"
