@@ -149,3 +149,19 @@ def test_launch_server_on_an_unsupported_release_exits_with_the_one_line_error(t
     lines = [line for line in result.stderr.splitlines() if expected in line]
     assert lines, result.stderr[-4000:]
     assert "Failed to execute general plugin" not in result.stderr  # no traceback from us
+
+
+def test_a_worker_missing_a_private_member_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from sglang_tree_spec.plugin.compat import (
+        WORKER_ATTRIBUTES,
+        UnsupportedSGLang,
+        check_worker_attributes,
+    )
+
+    complete = SimpleNamespace(**dict.fromkeys(WORKER_ATTRIBUTES))
+    check_worker_attributes(complete)
+    del complete._mask_token_id
+    with pytest.raises(UnsupportedSGLang, match=r"^DDTREE: SGLang .* no _mask_token_id, which"):
+        check_worker_attributes(complete)

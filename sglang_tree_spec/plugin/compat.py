@@ -49,7 +49,10 @@ _COMMON_INTERNALS = (
     # cpu.py
     "sglang.srt.layers.radix_attention.AttentionType",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
-    # worker.py
+    # worker.py / backend.py (DFlashWorkerV2's private members included)
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc",
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
+    "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify",
     "sglang.srt.distributed.get_tp_group",
     "sglang.srt.managers.scheduler.GenerationBatchResult",
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
@@ -72,6 +75,20 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "sglang.srt.runtime_context.max_speculative_num_draft_tokens",
     ),
 }
+
+# Instance attributes of DFlashWorkerV2 the DDTREE worker reads or overrides (set in its
+# constructor, so checked on the constructed worker: :func:`check_worker_attributes`).
+WORKER_ATTRIBUTES = (
+    "_mask_token_id",
+    "_draft_worker",
+    "_use_fused_kv_materialize",
+    "_fused_kv_helper",
+    "_draft_sampler",
+    "draft_model",
+    "draft_model_runner",
+    "target_worker",
+    "model_runner",
+)
 
 MOVED: dict[str, dict[str, str]] = {
     # 0.5.23 moved the tree-verify kernels to sglang.kernels (eagle_utils re-exports them).
@@ -182,6 +199,17 @@ def check_release() -> str:
         table,
     )
     return table
+
+
+def check_worker_attributes(worker: Any) -> None:
+    """Raise :class:`UnsupportedSGLang` (one line) when the constructed DFlash worker lacks an
+    attribute of :data:`WORKER_ATTRIBUTES`."""
+    missing = [name for name in WORKER_ATTRIBUTES if not hasattr(worker, name)]
+    if missing:
+        raise UnsupportedSGLang(
+            f"SGLang {installed_version()}'s DFlashWorkerV2 has no {', '.join(missing)}, which "
+            "the DDTREE worker needs"
+        )
 
 
 def moved(name: str) -> Any:

@@ -24,6 +24,7 @@ import torch
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
 from sglang_tree_spec.control.latency import device_spec, shape_of
 from sglang_tree_spec.plugin.backend import SGLangBackend
+from sglang_tree_spec.plugin.compat import check_worker_attributes
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
@@ -77,6 +78,7 @@ def _define_worker() -> type:
 
         def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(server_args, *args, **kwargs)
+            check_worker_attributes(self)
             self.config = tree_config(server_args)
             # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
             # that is the verify window (budget + 1) and the block is the drafter's.
