@@ -257,7 +257,23 @@ BAD_CONFIGS = [
     (
         "graft-unknown",
         {"speculative_ddtree_graft": "retrieval"},
-        r"--speculative-ddtree-graft must be one of none, unified, got 'retrieval'",
+        r"--speculative-ddtree-graft must be one of none, stage, unified, got 'retrieval'",
+    ),
+    (
+        "budget-above-largest",
+        {"speculative_num_draft_tokens": 9, "speculative_ddtree_budget": "16"},
+        r"--speculative-ddtree-budget must be 'auto' or a number in \[0, 8\] .* got '16'",
+    ),
+    (
+        "budget-word",
+        {"speculative_ddtree_budget": "most"},
+        r"--speculative-ddtree-budget must be 'auto' or a number",
+    ),
+    (
+        "candidates-unsorted",
+        {"speculative_num_draft_tokens": 17, "speculative_ddtree_candidates": "8,4"},
+        r"--speculative-ddtree-candidates: candidates must be sorted, distinct, in "
+        r"\[0, budget=16\]",
     ),
     ("not-dflash", {"draft": "target"}, r"is not a DFlash drafter \(architectures="),
     (
