@@ -253,8 +253,13 @@ def installed_hooks() -> tuple[Hook, ...]:
 
 
 def register_hooks() -> None:
-    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran."""
+    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran.
+
+    Under Triton's interpreter the hooks it needs on Triton itself come too
+    (:mod:`.interpreter`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for hook in installed_hooks():
+    from sglang_tree_spec.plugin.interpreter import needed_hooks
+
+    for hook in installed_hooks() + needed_hooks():
         HookRegistry.register(hook.target, hook.make(), HookType[hook.kind])
