@@ -225,6 +225,7 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0008-engine-server-args-class-after-plugins.diff"],
     _BY_PATCH["0012-req-to-token-row-holds-the-decode-reservation.diff"],
     _BY_PATCH["0013-dflash-refuses-penalties.diff"],
+    _BY_PATCH["0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff"],
     _BY_PATCH["0002-rotary-native-on-cpu.diff"],
     _BY_PATCH["0005-native-kv-move-on-cpu.diff"],
     Hook(
