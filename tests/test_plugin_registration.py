@@ -283,9 +283,15 @@ BAD_CONFIGS = [
     ),
     (
         "backend",
+        {"attention_backend": "flashinfer"},
+        r"prefill attention backend 'flashinfer' is not supported on cpu "
+        r"\(use --attention-backend torch_native or triton\)",
+    ),
+    (
+        "triton-without-interpreter",  # (TRITON_INTERPRET is unset in the test environment)
         {"attention_backend": "triton"},
-        r"prefill attention backend 'triton' is not supported on cpu "
-        r"\(use --attention-backend torch_native\)",
+        r"prefill attention backend 'triton' runs on cpu only under Triton's interpreter "
+        r"\(set TRITON_INTERPRET=1, or use --attention-backend torch_native\)",
     ),
     ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
     ("pp-2", {"pp_size": 2}, r"--pp-size 2 is not supported \(use --pp-size 1\)"),
@@ -320,9 +326,12 @@ def _bad_kwargs(models: dict[str, str], overrides: dict[str, Any]) -> dict[str, 
 @pytest.mark.parametrize(
     ("case", "overrides", "message"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
 )
-def test_validation_rejects_bad_configuration(sglang_plugins, models, case, overrides, message):
+def test_validation_rejects_bad_configuration(
+    sglang_plugins, models, case, overrides, message, monkeypatch
+):
     from sglang_tree_spec.plugin.validation import DDTreeConfigError, validate_server_args
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = server_args(models, **_bad_kwargs(models, overrides))  # resolved without DDTREE
     with pytest.raises(DDTreeConfigError, match=message) as error:
         validate_server_args(args)
@@ -339,6 +348,20 @@ def test_server_args_with_ddtree_rejects_bad_configuration(
     kwargs = _bad_kwargs(models, overrides)
     with pytest.raises(ValueError, match=message):
         server_args(models, speculative_algorithm="DDTREE", **kwargs)
+
+
+def test_validation_accepts_triton_on_cpu_under_the_interpreter(
+    sglang_plugins, models, monkeypatch
+):
+    """``TRITON_INTERPRET=1`` runs SGLang's Triton kernels on CPU tensors: the triton backend
+    is served there (tests/test_sglang_triton_interpreter.py serves it)."""
+    from sglang_tree_spec.plugin.validation import validate_server_args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = server_args(
+        models, attention_backend="triton", speculative_draft_model_path=models["drafter"]
+    )
+    validate_server_args(args)
 
 
 def test_validation_reports_an_unreadable_drafter(models):

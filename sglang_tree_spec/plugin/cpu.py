@@ -2,11 +2,14 @@
 
 Each hook leaves GPU serving unchanged (it defers to SGLang's original off CPU, or only adds
 what was missing: the torch-native backend's target verify, the drafter's embeddings in the
-served dtype). :mod:`.hooks` lists them with their upstream diffs.
+served dtype). Under Triton's interpreter (``TRITON_INTERPRET=1``, :mod:`.interpreter`) SGLang's
+Triton kernels run on CPU tensors, and the hooks that stand in for a Triton kernel step aside so
+that the real kernel runs. :mod:`.hooks` lists them with their upstream diffs.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -36,9 +39,13 @@ def native_kv_move_on_cpu(original: Any, pool: Any, *args: Any, **kwargs: Any) -
     A speculative server sizes a KV pool that can move KV rows (accepted tree nodes are moved
     to their final slots), and 0.5.17 warms a Triton copy kernel for that, which needs a GPU.
     On CPU the pool uses its native torch move instead (what ``SGLANG_NATIVE_MOVE_KV_CACHE=1``
-    selects). Mirrored by ``patches/sglang-0.5.17/0005-native-kv-move-on-cpu.diff``.
+    selects), unless Triton's interpreter runs the kernel there. Mirrored by
+    ``patches/sglang-0.5.17/0005-native-kv-move-on-cpu.diff``.
     """
     if torch.device(pool.device).type != "cpu":
+        return original(pool, *args, **kwargs)
+    if triton_interpreted():
+        interpreted_kernel("KV copy")
         return original(pool, *args, **kwargs)
     pool._kv_copy_config = None
     pool.use_native_move_kv_cache = True
@@ -49,13 +56,19 @@ def torch_native_draft_backend_on_cpu(original: Any, *args: Any, **kwargs: Any) 
     """AROUND hook on ``draft_worker_common._resolve_draft_attention_backend_fallback``.
 
     SGLang's draft workers accept GPU attention backends only and fall back to flashinfer;
-    on CPU the drafter must run on the torch-native backend like the target. Mirrored by
+    on CPU the drafter must run on the torch-native backend like the target, or on the triton
+    backend under Triton's interpreter when that is the one asked for. Mirrored by
     ``patches/sglang-0.5.17/0006-torch-native-draft-backend-on-cpu.diff``.
     """
     draft_args = kwargs.get("draft_server_args", args[0] if args else None)
-    if draft_args is not None and str(draft_args.device) == "cpu":
-        return "torch_native"
-    return original(*args, **kwargs)
+    if draft_args is None or str(draft_args.device) != "cpu":
+        return original(*args, **kwargs)
+    asked = draft_args.speculative_draft_attention_backend
+    if asked is None:
+        asked, _ = draft_args.get_attention_backends()  # the target's prefill backend
+    if asked == "triton" and triton_interpreted():
+        return original(*args, **kwargs)
+    return "torch_native"
 
 
 def prefill_graph_off_on_cpu(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -110,10 +123,12 @@ def assign_req_to_token_on_cpu(
 
     Writes ``req_to_token[req, start:end] = out_cache_loc[segment]`` for every request, the
     segments of ``out_cache_loc`` laid end to end. SGLang's CPU version needs its sgl_kernel
-    CPU engine and its other version is a Triton kernel. Mirrored by
-    ``patches/sglang-0.5.17/0007-assign-req-to-token-on-cpu.diff``.
+    CPU engine and its other version is a Triton kernel (which runs on CPU under Triton's
+    interpreter). Mirrored by ``patches/sglang-0.5.17/0007-assign-req-to-token-on-cpu.diff``.
     """
-    if req_to_token.device.type != "cpu":
+    if req_to_token.device.type != "cpu" or triton_interpreted():
+        if req_to_token.device.type == "cpu":
+            interpreted_kernel("req_to_token slot assignment")
         return original(
             req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size
         )
@@ -156,6 +171,22 @@ def no_pynccl_for_gloo_groups(original: Any, *args: Any, **kwargs: Any) -> Any:
     if bound.arguments["backend"] == "gloo":
         bound.arguments["use_pynccl"] = False
     return original(*bound.args, **bound.kwargs)
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under Triton's interpreter here (``TRITON_INTERPRET``, read
+    as Triton reads it), which runs them on CPU tensors."""
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton: nothing can interpret a kernel
+        return False
+    return bool(knobs.runtime.interpret)
+
+
+@functools.cache
+def interpreted_kernel(what: str) -> None:
+    """Log once per process that SGLang's own Triton kernel for ``what`` runs on CPU here."""
+    logger.info("sglang-tree-spec: %s runs SGLang's Triton kernel under Triton's interpreter", what)
 
 
 def serving_device() -> str:

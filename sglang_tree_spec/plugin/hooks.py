@@ -225,6 +225,7 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0008-engine-server-args-class-after-plugins.diff"],
     _BY_PATCH["0012-req-to-token-row-holds-the-decode-reservation.diff"],
     _BY_PATCH["0013-dflash-refuses-penalties.diff"],
+    _BY_PATCH["0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff"],
     _BY_PATCH["0002-rotary-native-on-cpu.diff"],
     _BY_PATCH["0005-native-kv-move-on-cpu.diff"],
     Hook(
@@ -253,8 +254,13 @@ def installed_hooks() -> tuple[Hook, ...]:
 
 
 def register_hooks() -> None:
-    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran."""
+    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran.
+
+    Under Triton's interpreter the hooks it needs on Triton itself come too
+    (:mod:`.interpreter`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for hook in installed_hooks():
+    from sglang_tree_spec.plugin.interpreter import needed_hooks
+
+    for hook in installed_hooks() + needed_hooks():
         HookRegistry.register(hook.target, hook.make(), HookType[hook.kind])

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from sglang_tree_spec.config import GRAFT_POLICIES, TreeConfig
 from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
 from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin.cpu import triton_interpreted
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +32,17 @@ MIN_BUDGET = 1
 MAX_BUDGET = 1024
 # Attention backends whose verify path the DDTREE worker targets, per device: triton and
 # flashinfer honour a custom tree mask in TARGET_VERIFY on CUDA; on CPU the plugin supplies
-# a verify-capable torch backend behind torch_native.
+# a verify-capable torch backend behind torch_native, and SGLang's triton backend runs there
+# under Triton's interpreter (TRITON_INTERPRET=1, for tests: see plugin/interpreter.py).
 SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
     "cuda": ("triton", "flashinfer"),
-    "cpu": ("torch_native",),
+    "cpu": ("torch_native", "triton"),
 }
+INTERPRETED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("triton",)}
 SUPPORTED_PAGE_SIZES = (1,)
+# Whether DDTREE keeps CUDA graphs on a GPU: not until the target-verify capture carries the tree
+# mask (issue 17); launch/gpu-validate.sh states it in its plan and checks the servers' logs.
+TREE_MASK_CUDA_GRAPHS = False
 
 
 GRAFT_CHOICES = GRAFT_POLICIES  # --speculative-ddtree-graft
@@ -144,11 +150,19 @@ def check_device(device: str) -> None:
 def check_attention_backends(device: str, prefill: str | None, decode: str | None) -> None:
     """Prefill and decode attention backends must be ones the tree verify runs on."""
     supported = SUPPORTED_ATTENTION_BACKENDS[device]
+    interpreted = INTERPRETED_ATTENTION_BACKENDS.get(device, ())
     for role, backend in (("prefill", prefill), ("decode", decode)):
         if backend is not None and backend not in supported:
             raise DDTreeConfigError(
                 f"{role} attention backend {backend!r} is not supported on {device} "
                 f"(use --attention-backend {' or '.join(supported)})"
+            )
+        if backend in interpreted and not triton_interpreted():
+            others = [name for name in supported if name not in interpreted]
+            raise DDTreeConfigError(
+                f"{role} attention backend {backend!r} runs on {device} only under Triton's "
+                f"interpreter (set TRITON_INTERPRET=1, or use --attention-backend "
+                f"{' or '.join(others)})"
             )
 
 
@@ -327,16 +341,30 @@ def apply_defaults(server_args: Any) -> None:
             drafter.block_size,
             drafter.block_size - 1,
         )
-    if not server_args.disable_cuda_graph and server_args.device != "cpu":
+    if (
+        not TREE_MASK_CUDA_GRAPHS
+        and not server_args.disable_cuda_graph
+        and server_args.device != "cpu"
+    ):
         # SGLang 0.5.17 captures the DFlash-family verify graph without a custom mask, so a
         # replay would verify the tree causally: wrong tokens. Until the capture honours it:
         server_args.disable_cuda_graph = True
         logger.warning("%s: CUDA graphs disabled (no tree-mask capture yet)", ALGORITHM)
-    if server_args.device == "cpu" and server_args.speculative_draft_attention_backend is None:
+    if (
+        server_args.device == "cpu"
+        and server_args.speculative_draft_attention_backend is None
+        and _prefill_backend(server_args) != "triton"  # interpreted (checked by validation)
+    ):
         server_args.speculative_draft_attention_backend = "torch_native"  # SGLang picks a GPU one
     if server_args.enable_mixed_chunk:
         server_args.enable_mixed_chunk = False
         logger.warning("%s: mixed chunked prefill is disabled", ALGORITHM)
+
+
+def _prefill_backend(server_args: Any) -> str | None:
+    """The prefill attention backend asked for (SGLang's drafter defaults to it)."""
+    prefill = getattr(server_args, "prefill_attention_backend", None)
+    return prefill or getattr(server_args, "attention_backend", None)
 
 
 def disable_overlap(server_args: Any) -> None:

