@@ -23,6 +23,7 @@ import torch
 
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
 from sglang_tree_spec.control.latency import device_spec, shape_of
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
 from sglang_tree_spec.plugin.validation import tree_config
@@ -79,6 +80,7 @@ def _define_worker() -> type:
         def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(server_args, *args, **kwargs)
             check_worker_attributes(self)
+            server_args = compat.resolved(server_args)  # 0.5.23: resolved values, a view
             self.config = tree_config(server_args)
             # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
             # that is the verify window (budget + 1) and the block is the drafter's.
@@ -98,13 +100,7 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
-            self.controller = make_controller(
-                self.config,
-                self.block_size - 1,
-                int(self.model_runner.req_to_token_pool.size),
-                self.device,
-                self._latency_model() if self.config.auto else None,
-            )
+            self._controller = None  # built on first use: the request pool comes later
             self._steps = 0
             logger.info(
                 "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s, "
@@ -116,6 +112,19 @@ def _define_worker() -> type:
                 self.config.graft,
                 self.tp_group.world_size,
             )
+
+        @property
+        def controller(self) -> Any:
+            """The budget controller, one history slot per ``req_to_token`` row."""
+            if self._controller is None:
+                self._controller = make_controller(
+                    self.config,
+                    self.block_size - 1,
+                    int(self.model_runner.req_to_token_pool.req_to_token.shape[0]),
+                    self.device,
+                    self._latency_model() if self.config.auto else None,
+                )
+            return self._controller
 
         def _latency_model(self) -> LatencyModel:
             """The roofline prior of this target and drafter on this device."""
@@ -138,14 +147,20 @@ def _define_worker() -> type:
             self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
 
         def forward_batch_generation(
-            self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None
+            self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, **kwargs: Any
         ) -> Any:
+            """Prefill and idle batches are DFlash's; decode batches run the tree step.
+            (``kwargs``: later releases pass more, e.g. 0.5.23's ``pp_proxy_tensors``.)"""
             if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
                 self._observe_prompts(batch.reqs)
                 self.controller.reset(batch.req_pool_indices.to(torch.int64))
-                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+                return super().forward_batch_generation(
+                    batch, on_publish, grammar_barrier, **kwargs
+                )
             if batch.forward_mode.is_idle():
-                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+                return super().forward_batch_generation(
+                    batch, on_publish, grammar_barrier, **kwargs
+                )
             if batch.has_grammar:
                 raise NotImplementedError("DDTREE: grammar-constrained decoding is not supported")
             return self._decode(batch, on_publish)
