@@ -241,11 +241,14 @@ def make_controller(
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
-    every batch-size bucket)."""
+    every batch-size bucket, each cell the minimum of 3 steps; every 32nd drafted step then
+    re-measures the stalest budget)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
-    auto = ControlConfig(budgets=config.budgets, max_depth=max_depth, profile_steps=2)
+    auto = ControlConfig(
+        budgets=config.budgets, max_depth=max_depth, profile_steps=3, explore_every=32
+    )
     return BudgetController(auto, latency, max_slots, device)
 
 

@@ -336,3 +336,34 @@ def test_profile_measures_every_candidate_before_choosing():
         order.append((budget, drafted))
     assert order == [(0, False)] + [(b, True) for b in ctl.config.budgets[1:]]
     assert ctl.should_draft(1) and ctl.choose(fc, 1) == 0  # profiled: a useless drafter -> 0
+
+
+def test_a_cell_keeps_the_minimum_of_its_first_samples_then_averages():
+    """Warm-up and bursts of load only add time: the first ``min_samples`` keep their minimum
+    (a slow first forward does not stick), later ones move the EMA."""
+    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,))
+    for seconds in (5.0, 0.2, 0.3):  # a slow first step (warm-up), then the real cost
+        model.record(1, 8, seconds)
+    assert model.seconds(1, 8) == pytest.approx(0.2)
+    model.record(1, 8, 0.7)
+    assert model.seconds(1, 8) == pytest.approx(0.2 + 0.2 * (0.7 - 0.2))
+
+
+def test_exploration_re_measures_the_stalest_budget():
+    """After the profile, every ``explore_every``-th drafted step takes the budget measured
+    longest ago, whatever the model prefers."""
+    ctl = roofline_controller(profile_steps=1, explore_every=4)
+    tree = strong_or_useless_tree(1, strong=False)
+    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    for _ in range(len(ctl.config.budgets)):  # the profile
+        drafted = ctl.should_draft(1)
+        budget = ctl.choose(fc if drafted else None, 1)
+        ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
+    chosen = []
+    for _ in range(12):
+        budget = ctl.choose(fc, 1)  # a useless drafter: the model says 0
+        ctl.record_step(1, budget, 0.01 * (budget + 1), True)
+        chosen.append(budget)
+    explored = [b for b in chosen if b]
+    assert chosen[3] and chosen[7] and chosen[11] and len(explored) == 3
+    assert len(set(explored)) == 3  # each time the stalest: a different budget

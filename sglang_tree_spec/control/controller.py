@@ -56,6 +56,9 @@ class ControlConfig:
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
+    explore_every: after the profile, every this many drafted steps re-measure the budget > 0
+        whose cell in this batch-size bucket was measured longest ago (0: never), so a cell
+        measured once under a burst of load is not avoided for ever.
     tie_rtol: objectives within this relative margin of the best count as ties.
     calibration: the acceptance calibration's decays and priors.
     """
@@ -65,6 +68,7 @@ class ControlConfig:
     max_depth: int = 15
     probe_every: int = 16
     profile_steps: int = 0
+    explore_every: int = 0
     tie_rtol: float = 1e-6
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -152,6 +156,8 @@ class BudgetController:
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._steps_since_draft = 0
+        self._drafted_steps = 0  # drafted auto steps after the profile
+        self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
 
     @property
     def auto(self) -> bool:
@@ -167,6 +173,13 @@ class BudgetController:
              if n < self.config.profile_steps),
             None,
         )  # fmt: skip
+
+    def _stalest(self, bs: int, tree_budget: int) -> int:
+        """The candidate > 0 (up to the tree's size) measured longest ago in ``bs``'s bucket."""
+        bucket = bucket_of(self.latency.bs_buckets, bs)
+        stamps = self._measured_at.setdefault(bucket, {})
+        budgets = [b for b in self.config.budgets if 0 < b <= tree_budget]
+        return min(budgets, key=lambda b: stamps.get(b, -1))
 
     def should_draft(self, bs: int) -> bool:
         """Host only. False while auto keeps choosing 0 (except every ``probe_every`` steps)
@@ -219,6 +232,10 @@ class BudgetController:
         profiled = self._to_profile(bs)
         if profiled is not None and profiled <= forecast.tree_budget:
             return self._count(profiled)
+        self._drafted_steps += 1
+        every = self.config.explore_every
+        if every and self._drafted_steps % every == 0:
+            return self._count(self._stalest(bs, forecast.tree_budget))
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
         best = best_budget(
             totals,
@@ -252,7 +269,9 @@ class BudgetController:
         decode step (it paid the drafter) and is not recorded."""
         if self.latency is None or (budget == 0 and drafted):
             return
-        self.latency.record(bs, budget, seconds)
+        if self.latency.record(bs, budget, seconds):
+            bucket = bucket_of(self.latency.bs_buckets, bs)
+            self._measured_at.setdefault(bucket, {})[budget] = self._drafted_steps
 
     def reset(self, rows: torch.Tensor) -> None:
         """Sync-free: slots ``rows`` (``[n]`` int64) start a new request's history."""

@@ -185,12 +185,16 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 @dataclass(frozen=True)
 class LatencyConfig:
     """Attributes:
-    cell_ema: weight of a new measurement in its cell's EMA (the first sets it).
+    cell_ema: weight of a new measurement in its cell's EMA.
     calib_decay: per-measurement decay of the linear calibration's sums.
+    min_samples: a cell's first this many measurements keep their minimum (one-time costs
+        such as a first forward's warm-up, or a neighbour's burst, only ever add time); the
+        EMA starts from there.
     """
 
     cell_ema: float = 0.2
     calib_decay: float = 0.995
+    min_samples: int = 3
 
 
 class LatencyModel:
@@ -276,11 +280,14 @@ class LatencyModel:
         d = self.config.calib_decay
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self._sums[i] = self._sums[i] * d + v
-        if self.count[bucket][column]:
+        count = self.count[bucket][column]
+        if count == 0:
+            self.measured[bucket][column] = seconds
+        elif count < self.config.min_samples:
+            self.measured[bucket][column] = min(self.measured[bucket][column], seconds)
+        else:
             ema = self.config.cell_ema
             self.measured[bucket][column] += ema * (seconds - self.measured[bucket][column])
-        else:
-            self.measured[bucket][column] = seconds
         self.count[bucket][column] += 1
         return True
 
