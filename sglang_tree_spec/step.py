@@ -217,7 +217,7 @@ def _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus) -> Dr
     trees nest in it (DDTree), else the DDTree (a grafted tree's log-probs are not acceptance
     estimates)."""
     budget = controller.config.max_budget
-    if isinstance(selector, DDTreeSelector):
+    if selector.nested:
         return selector.select(topk_logprobs, topk_tokens, bonus, budget)
     return build_ddtree(topk_logprobs, topk_tokens, budget, validate=False, prune=selector.prune)
 
@@ -227,7 +227,7 @@ def _tree_at(budget, largest, selector, topk_logprobs, topk_tokens, bonus) -> Dr
     build), the selector's own at ``budget`` otherwise."""
     if budget == 0:
         return empty_tree(largest.batch_size, largest.device)
-    if isinstance(selector, DDTreeSelector):
+    if selector.nested:
         return top_nodes(largest, budget)
     return selector.select(topk_logprobs, topk_tokens, bonus, budget)
 

@@ -39,9 +39,12 @@ class Grafter:
         prune: the host DDTree builder's early stop (``stage`` builds a DDTree first).
 
     Attributes:
+        nested: False: a grafted tree at a smaller budget is not a cut of a larger one.
         successors: the ``[V, k]`` :class:`SuccessorTable`.
         edge_acceptance: the :class:`EdgeAcceptance` of ``unified``, else None.
     """
+
+    nested = False
 
     def __init__(
         self,

@@ -19,9 +19,14 @@ class TreeSelector(Protocol):
 
     Attributes:
         topk: K, the top-K per drafted depth :meth:`select` reads.
+        nested: its tree at budget N is the N best nodes (by log-prob) of its tree at any
+            larger budget, so budget control can build once and cut (DDTree's nesting).
+        prune: the host DDTree builder's early stop (for host tensors only).
     """
 
     topk: int
+    nested: bool
+    prune: bool
 
     def select(
         self,
@@ -58,6 +63,8 @@ class DDTreeSelector:
             only (it reads scores back).
     """
 
+    nested = True
+
     def __init__(self, topk: int, prune: bool = False) -> None:
         self.topk, self.prune = topk, prune
 
@@ -73,6 +80,8 @@ class DDTreeSelector:
 
 class ChainSelector(DDTreeSelector):
     """The DFlash chain: one path of the top-1 token at every drafted depth (``L`` nodes)."""
+
+    nested = False  # one shape: L nodes whatever the budget
 
     def __init__(self) -> None:
         super().__init__(topk=1)
