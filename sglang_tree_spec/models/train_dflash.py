@@ -8,6 +8,19 @@ blocks of a batch run in one drafter forward with one explicit boolean attention
 the same :class:`~sglang_tree_spec.drafters.dflash.DFlashDrafter` code as inference. The label
 of slot ``k`` is ``x_{a + k}``; slot ``k >= 1`` has cross-entropy weight
 ``exp(-(k - 1) / gamma)`` (slot 0, the anchor, has none).
+
+Two speed-ups spend the CPU on the drafter only (both opt-in):
+
+- ``feature_cache``: the frozen target's features (and top-k next tokens) are computed once per
+  record and read back from disk every epoch (:mod:`sglang_tree_spec.models.feature_cache`);
+- ``shortlist_negatives``: the cross-entropy runs over a shortlist of the vocabulary (the
+  batch's labels, the target's cached top-k at every labelled position, and uniformly sampled
+  negatives whose logits get the ``log(rest / sampled)`` correction), not all of it
+  (:func:`shortlist_block_loss`; with every other token as a negative it is the full loss).
+
+Long runs: held-out slot-1 acceptance (``heldout_records``) is logged as it goes, and a run
+stops at a step (``stop_at``), after ``max_minutes`` or once the held-out slot-1 acceptance
+reaches ``stop_heldout_acc``, saving a checkpoint it resumes from.
 """
 
 from __future__ import annotations
@@ -15,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +40,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sglang_tree_spec.drafters.dflash import CONFIG_NAME, DFlashDrafter
+from sglang_tree_spec.models.feature_cache import FeatureCache, build_feature_cache, window_records
 
 TRAINER_STATE_NAME = "trainer_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -61,6 +77,15 @@ class TrainConfig:
     save_every: int = 500
     log_every: int = 10
     stop_at: int | None = None  # stop (and save) at this step; the schedule still spans steps
+    feature_cache: str | None = None  # directory caching the target's features per record
+    cache_topk: int = 8  # target top-k next tokens cached per position (shortlist candidates)
+    cache_batch_size: int = 4  # records per target forward while building the cache
+    shortlist_negatives: int | None = None  # None: full-vocabulary loss; else shortlist loss
+    heldout_records: int = 0  # the last N records are held out (slot-1 acceptance)
+    eval_every: int = 0  # held-out evaluation period in steps; 0: at every save and the end
+    eval_anchors: int = 8  # anchors per held-out record
+    max_minutes: float | None = None  # stop (and save) after this much training time
+    stop_heldout_acc: float | None = None  # stop (and save) once held-out slot-1 acc >= this
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +208,88 @@ def block_loss(
     return loss, correct.detach(), counted
 
 
+def block_candidates(
+    topk_ids: torch.Tensor, anchors: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The target's top-k next tokens at the positions that predict each block's labels.
+
+    ``topk_ids [bs, S, k]`` (position ``t``: the target's guesses for ``x_{t + 1}``),
+    ``anchors [bs, N]``; returns ``[bs, N, B - 1, k]`` (slot ``k`` of anchor ``a`` is predicted
+    at position ``a + k - 1``).
+    """
+    bs, num_blocks = anchors.shape
+    index = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).view(bs, -1)
+    picked = topk_ids.gather(1, index[:, :, None].expand(-1, -1, topk_ids.shape[2]))
+    return picked.view(bs, num_blocks, block_size - 1, -1)
+
+
+def shortlist(
+    must: torch.Tensor, vocab_size: int, num_negatives: int, generator: torch.Generator
+) -> tuple[torch.Tensor, int, float]:
+    """Token ids of a loss shortlist: the distinct ``must`` ids, then ``num_negatives`` ids
+    drawn uniformly without replacement from the rest of the vocabulary.
+
+    Returns ``(ids [K], num_must, correction)``; ``correction = log(rest / drawn)`` is added to
+    the negatives' logits so that their exp-sum estimates the rest's share of the softmax
+    normaliser without bias (0 when every other token is drawn).
+    """
+    must = torch.unique(must)
+    rest = vocab_size - must.numel()
+    drawn = max(0, min(num_negatives, rest))
+    if drawn == 0:
+        return must, must.numel(), 0.0
+    scores = torch.rand(vocab_size, generator=generator).to(must.device)
+    scores[must] = -1.0
+    negatives = scores.topk(drawn).indices
+    return torch.cat([must, negatives]), must.numel(), math.log(rest / drawn)
+
+
+def shortlist_block_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    lm_head: nn.Module,
+    num_negatives: int,
+    generator: torch.Generator,
+    candidates: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_loss` over a shortlist of the vocabulary shared by the batch.
+
+    The shortlist is the weighted labels, ``candidates`` (any shape; e.g. the target's top-k
+    from :func:`block_candidates`) and ``num_negatives`` sampled negatives (see
+    :func:`shortlist`). With ``num_negatives >= vocab`` it is :func:`block_loss` exactly. The
+    per-slot hits are argmax hits *within the shortlist* (an over-estimate of full-vocabulary
+    accuracy; the held-out evaluation uses the full LM head).
+    """
+    used = weights > 0
+    weight = lm_head.weight
+    vocab_size = weight.shape[0]
+    targets = labels[used]
+    w = weights[used]
+    must = targets if candidates is None else torch.cat([targets, candidates.reshape(-1)])
+    ids, num_must, correction = shortlist(must, vocab_size, num_negatives, generator)
+    column = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    column[ids] = torch.arange(ids.numel(), device=ids.device)
+    bias = getattr(lm_head, "bias", None)
+    logits = F.linear(
+        hidden[used].to(weight.dtype), weight[ids], None if bias is None else bias[ids]
+    ).float()
+    corrected = logits
+    if correction:
+        offset = torch.zeros(ids.numel(), device=logits.device)
+        offset[num_must:] = correction
+        corrected = logits + offset
+    target_columns = column[targets]
+    ce = F.cross_entropy(corrected, target_columns, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    slot = used.nonzero()[:, 2]
+    block_size = labels.shape[2]
+    hits = (logits.argmax(-1) == target_columns).float()
+    correct = torch.zeros(block_size, device=hidden.device).index_add_(0, slot, hits)
+    counted = torch.bincount(slot, minlength=block_size).float()
+    return loss, correct.detach(), counted
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
@@ -232,28 +339,59 @@ def _read_text(path: Path, target: str) -> list[tuple[list[int], list[int]]]:
     return [(ids, [1] * len(ids))]
 
 
+class Batch(NamedTuple):
+    """``input_ids [bs, S]`` (right-padded with 0), ``lengths [bs]``, ``loss_mask [bs, S]`` bool
+    (padding masked) and, from a feature cache, ``features [bs, S, F]`` bf16 and ``topk
+    [bs, S, k]``."""
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    loss_mask: torch.Tensor
+    features: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+
+
 def sample_batch(
     sequences: list[tuple[torch.Tensor, torch.Tensor]],
     batch_size: int,
     seq_len: int,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random crops of at most ``seq_len`` tokens, right-padded with 0.
-
-    Returns ``(input_ids [bs, S], lengths [bs], loss_mask [bs, S] bool)`` (padding masked).
-    """
+    cache: FeatureCache | None = None,
+) -> Batch:
+    """Random crops of at most ``seq_len`` tokens, right-padded with 0 (with a ``cache``, whose
+    record ``i`` is ``sequences[i]``, their cached features and top-k too)."""
     picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
     crops = []
     for index in picks:
-        ids, mask = sequences[index]
+        ids, _ = sequences[index]
         start = 0
         if len(ids) > seq_len:
             start = int(torch.randint(len(ids) - seq_len + 1, (1,), generator=generator))
-        crops.append((ids[start : start + seq_len], mask[start : start + seq_len]))
-    lengths = torch.tensor([len(ids) for ids, _ in crops])
-    input_ids = nn.utils.rnn.pad_sequence([ids for ids, _ in crops], batch_first=True)
-    loss_mask = nn.utils.rnn.pad_sequence([m for _, m in crops], batch_first=True)
-    return input_ids, lengths, loss_mask
+        crops.append((index, start))
+    return make_batch(sequences, crops, seq_len, cache)
+
+
+def make_batch(
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    crops: list[tuple[int, int]],
+    seq_len: int,
+    cache: FeatureCache | None = None,
+) -> Batch:
+    """The :class:`Batch` of ``(record index, crop start)`` pairs."""
+
+    def pad(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return nn.utils.rnn.pad_sequence(tensors, batch_first=True)
+
+    window = [slice(start, start + seq_len) for _, start in crops]
+    ids = [sequences[i][0][w] for (i, _), w in zip(crops, window, strict=True)]
+    masks = [sequences[i][1][w] for (i, _), w in zip(crops, window, strict=True)]
+    lengths = torch.tensor([len(x) for x in ids])
+    features = topk = None
+    if cache is not None:
+        features = pad([cache.features(i)[w] for (i, _), w in zip(crops, window, strict=True)])
+        if cache.topk:
+            topk = pad([cache.topk_ids(i)[w] for (i, _), w in zip(crops, window, strict=True)])
+    return Batch(pad(ids), lengths, pad(masks), features, topk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,41 +476,175 @@ def save_checkpoint(
     torch.save(state, out / TRAINER_STATE_NAME)
 
 
+@torch.no_grad()
+def target_features(
+    target: PreTrainedModel, drafter: DFlashDrafter, input_ids: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """The drafter's context features ``[bs, S, F]`` from one target forward (no cache)."""
+    attention_mask = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+    attention_mask = attention_mask < lengths[:, None]
+    out = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    return drafter.target_hidden_features(out.hidden_states)
+
+
 def train_step(
     drafter: DFlashDrafter,
     target: PreTrainedModel,
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    batch: Batch,
     cfg: TrainConfig,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss (with graph) and per-slot ``(correct [B], counted [B])`` of one batch."""
     device = next(drafter.parameters()).device
-    input_ids, lengths, loss_mask = (t.to(device) for t in batch)
+    input_ids, lengths, loss_mask = (t.to(device) for t in batch[:3])
     valid = valid_anchor_positions(lengths, loss_mask, cfg.block_size)
     anchors, keep = sample_anchors(valid, cfg.anchors_per_seq, generator)
-    attention_mask = torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None]
-    with torch.no_grad():
-        out = target(
-            input_ids=input_ids,
-            attention_mask=attention_mask.long(),
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-        features = drafter.target_hidden_features(out.hidden_states)
+    if batch.features is None:
+        features = target_features(target, drafter, input_ids, lengths)
+    else:
+        features = batch.features.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         hidden = block_hidden(drafter, features, input_ids, anchors, target.get_input_embeddings())
         labels, weights = block_labels(
             input_ids, loss_mask, anchors, keep, cfg.block_size, cfg.gamma
         )
-        return block_loss(hidden, labels, weights, target.get_output_embeddings())
+        lm_head = target.get_output_embeddings()
+        if cfg.shortlist_negatives is None:
+            return block_loss(hidden, labels, weights, lm_head)
+        candidates = None
+        if batch.topk is not None:
+            candidates = block_candidates(batch.topk.to(device), anchors, cfg.block_size)[keep]
+        return shortlist_block_loss(
+            hidden, labels, weights, lm_head, cfg.shortlist_negatives, generator, candidates
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out acceptance
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeldOut:
+    """Held-out batches with their features and fixed anchors."""
+
+    batches: list[tuple[Batch, torch.Tensor, torch.Tensor]]  # (batch, anchors, keep)
+
+
+def prepare_heldout(
+    records: list[tuple[torch.Tensor, torch.Tensor]],
+    cfg: TrainConfig,
+    drafter: DFlashDrafter,
+    target: PreTrainedModel,
+    cache: FeatureCache | None,
+    first_index: int,
+) -> HeldOut:
+    """Batches of ``records`` (cache records ``first_index ..`` when cached), features computed
+    once, anchors drawn once with a fixed seed."""
+    generator = torch.Generator().manual_seed(cfg.seed + 7919)
+    device = next(drafter.parameters()).device
+    batches = []
+    for first in range(0, len(records), cfg.batch_size):
+        count = min(cfg.batch_size, len(records) - first)
+        if cache is not None:
+            crops = [(first_index + first + j, 0) for j in range(count)]
+            batch = make_batch([None] * first_index + records, crops, cfg.seq_len, cache)
+        else:
+            crops = [(first + j, 0) for j in range(count)]
+            batch = make_batch(records, crops, cfg.seq_len)
+            features = target_features(
+                target, drafter, batch.input_ids.to(device), batch.lengths.to(device)
+            )
+            batch = batch._replace(features=features)
+        valid = valid_anchor_positions(batch.lengths, batch.loss_mask, cfg.block_size)
+        anchors, keep = sample_anchors(valid, cfg.eval_anchors, generator)
+        batches.append((batch, anchors, keep))
+    return HeldOut(batches)
+
+
+@torch.no_grad()
+def heldout_acceptance(
+    drafter: DFlashDrafter, target: PreTrainedModel, heldout: HeldOut
+) -> dict[str, float]:
+    """Greedy acceptance on held-out blocks with the full LM head: ``heldout_acc_slot1`` (the
+    first drafted token equals the data's next token) and ``heldout_tau`` (1 + the mean number
+    of leading drafted tokens that match, the chain's tokens per step on this block)."""
+    was_training = drafter.training
+    drafter.eval()
+    device = next(drafter.parameters()).device
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    slot1_hits = slot1_count = 0.0
+    accepted_sum = blocks = 0.0
+    for batch, anchors, keep in heldout.batches:
+        input_ids, loss_mask = batch.input_ids.to(device), batch.loss_mask.to(device)
+        anchors, keep = anchors.to(device), keep.to(device)
+        hidden = block_hidden(drafter, batch.features.to(device), input_ids, anchors, embed)
+        block_size = drafter.block_size
+        labels, weights = block_labels(input_ids, loss_mask, anchors, keep, block_size, 1.0)
+        hidden, labels, weights = hidden[keep][:, 1:], labels[keep][:, 1:], weights[keep][:, 1:]
+        predicted = lm_head(hidden.to(lm_head.weight.dtype)).argmax(-1)
+        match = (predicted == labels) & (weights > 0)
+        slot1_hits += float(match[:, 0].sum())
+        slot1_count += float((weights[:, 0] > 0).sum())
+        accepted_sum += float(match.long().cumprod(dim=1).sum())
+        blocks += match.shape[0]
+    drafter.train(was_training)
+    return {
+        "heldout_acc_slot1": slot1_hits / max(slot1_count, 1.0),
+        "heldout_tau": 1.0 + accepted_sum / max(blocks, 1.0),
+        "heldout_blocks": int(blocks),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare_data(
+    cfg: TrainConfig, drafter: DFlashDrafter, target: PreTrainedModel
+) -> tuple[list, list, FeatureCache | None]:
+    """``(training records, held-out records, cache)``; records are cache windows when a
+    feature cache is used, and the held-out records are the last ``heldout_records``."""
+    sequences = load_sequences(cfg)
+    cache = None
+    if cfg.feature_cache:
+        sequences = window_records(sequences, cfg.seq_len, cfg.block_size)
+    if not 0 <= cfg.heldout_records < len(sequences):
+        raise ValueError(
+            f"heldout_records={cfg.heldout_records} leaves no training record of {len(sequences)}"
+        )
+    if cfg.feature_cache:
+        topk = cfg.cache_topk if cfg.shortlist_negatives is not None else 0
+        cache = build_feature_cache(
+            cfg.feature_cache,
+            sequences,
+            target,
+            cfg.target,
+            drafter.target_layer_ids,
+            topk=topk,
+            batch_size=cfg.cache_batch_size,
+        )
+        tqdm.write(
+            f"feature cache {cfg.feature_cache}: {cache.num_records} records, "
+            f"{cache.offsets[-1]} tokens, {cache.bytes_on_disk / 2**20:.1f} MiB"
+        )
+    split = len(sequences) - cfg.heldout_records
+    return sequences[:split], sequences[split:], cache
 
 
 def train_dflash(cfg: TrainConfig) -> Path:
     """Train (or resume) a DFlash drafter for ``cfg.target``; returns the checkpoint directory.
 
     Writes ``config.json`` + ``model.safetensors`` (public DFlash layout), ``trainer_state.pt``
-    every ``save_every`` steps and at the end, and ``train_log.jsonl`` every ``log_every`` steps
-    (loss, mean and slot-1 accuracy, lr).
+    every ``save_every`` steps and at the end (also when a stop rule fires), and
+    ``train_log.jsonl`` every ``log_every`` steps (loss, mean and slot-1 accuracy, lr) plus a
+    held-out record per evaluation and a ``stopped`` record when a stop rule ends the run.
     """
     if not 2 <= cfg.block_size < cfg.seq_len:
         raise ValueError(f"need 2 <= block_size < seq_len, got {cfg.block_size}, {cfg.seq_len}")
@@ -380,20 +652,30 @@ def train_dflash(cfg: TrainConfig) -> Path:
         raise FileNotFoundError(f"no transformers model at {cfg.target} (missing {CONFIG_NAME})")
     if isinstance(cfg.data, str) and not Path(cfg.data).is_file():
         raise FileNotFoundError(f"training data {cfg.data} does not exist")
+    if cfg.stop_heldout_acc is not None and cfg.heldout_records == 0:
+        raise ValueError("stop_heldout_acc needs heldout_records > 0")
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target, device)
     drafter, optimizer, start = _load_or_init(cfg, target, device)
-    sequences = load_sequences(cfg)
+    sequences, heldout_records, cache = _prepare_data(cfg, drafter, target)
+    heldout = None
+    if heldout_records:
+        heldout = prepare_heldout(
+            heldout_records, cfg, drafter, target, cache, first_index=len(sequences)
+        )
+    eval_every = cfg.eval_every or cfg.save_every
     correct = torch.zeros(cfg.block_size, device=device)
     counted = torch.zeros(cfg.block_size, device=device)
     loss_sum, loss_steps = 0.0, 0
     end = cfg.steps if cfg.stop_at is None else max(start, min(cfg.stop_at, cfg.steps))
-    progress = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train-drafter")
+    progress = tqdm(range(start, end), initial=start, total=end, desc="train-drafter")
+    began = time.monotonic()
+    done, stopped = start, None
     for step in progress:
         generator = _step_generator(cfg.seed, step)
-        batch = sample_batch(sequences, cfg.batch_size, cfg.seq_len, generator)
+        batch = sample_batch(sequences, cfg.batch_size, cfg.seq_len, generator, cache)
         loss, step_correct, step_counted = train_step(drafter, target, batch, cfg, generator)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -408,15 +690,39 @@ def train_dflash(cfg: TrainConfig) -> Path:
         if done % cfg.log_every == 0 or done == cfg.steps:
             record = _log_record(done, loss_sum / loss_steps, correct, counted, lr_at(step, cfg))
             progress.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc_slot1']:.3f}")
-            with (out / LOG_NAME).open("a") as log:
-                log.write(json.dumps(record) + "\n")
+            _append_log(out, record)
             correct.zero_()
             counted.zero_()
             loss_sum, loss_steps = 0.0, 0
+        if heldout is not None and (done % eval_every == 0 or done == end):
+            result = {"step": done, **heldout_acceptance(drafter, target, heldout)}
+            _append_log(out, result)
+            progress.write(
+                f"step {done}: held-out slot-1 acceptance {result['heldout_acc_slot1']:.3f}, "
+                f"chain tau {result['heldout_tau']:.3f} ({result['heldout_blocks']} blocks)"
+            )
+            if (
+                cfg.stop_heldout_acc is not None
+                and result["heldout_acc_slot1"] >= cfg.stop_heldout_acc
+            ):
+                stopped = f"held-out slot-1 acceptance >= {cfg.stop_heldout_acc}"
+        if stopped is None and cfg.max_minutes is not None and done != end:
+            if time.monotonic() - began >= 60.0 * cfg.max_minutes:
+                stopped = f"{cfg.max_minutes} minutes of training"
+        if stopped is not None:
+            _append_log(out, {"step": done, "stopped": stopped})
+            progress.write(f"stopped at step {done}: {stopped}")
+            break
         if done % cfg.save_every == 0 and done != end:
             save_checkpoint(drafter, optimizer, done, cfg)
-    save_checkpoint(drafter, optimizer, max(start, end), cfg)
+    progress.close()
+    save_checkpoint(drafter, optimizer, max(start, done), cfg)
     return out
+
+
+def _append_log(out: Path, record: dict) -> None:
+    with (out / LOG_NAME).open("a") as log:
+        log.write(json.dumps(record) + "\n")
 
 
 def _log_record(
@@ -467,6 +773,44 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop and save at this step (resume later, e.g. with other batch settings)",
     )
+    parser.add_argument(
+        "--feature-cache",
+        default=None,
+        help="directory caching the target's features per record (built once, resumable)",
+    )
+    parser.add_argument(
+        "--cache-topk",
+        type=int,
+        default=d["cache_topk"].default,
+        help="target top-k next tokens cached per position (shortlist loss candidates)",
+    )
+    parser.add_argument("--cache-batch-size", type=int, default=d["cache_batch_size"].default)
+    parser.add_argument(
+        "--shortlist-negatives",
+        type=int,
+        default=None,
+        help="loss over labels + cached target top-k + this many sampled negatives "
+        "(default: full vocabulary)",
+    )
+    parser.add_argument(
+        "--heldout-records",
+        type=int,
+        default=0,
+        help="hold out the last N records; log their slot-1 acceptance as training goes",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="held-out period (default: at every save)"
+    )
+    parser.add_argument("--eval-anchors", type=int, default=d["eval_anchors"].default)
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="stop and save after this training time"
+    )
+    parser.add_argument(
+        "--stop-heldout-acc",
+        type=float,
+        default=None,
+        help="stop and save once the held-out slot-1 acceptance reaches this",
+    )
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
@@ -489,6 +833,15 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         log_every=args.log_every,
         stop_at=args.stop_at,
+        feature_cache=args.feature_cache,
+        cache_topk=args.cache_topk,
+        cache_batch_size=args.cache_batch_size,
+        shortlist_negatives=args.shortlist_negatives,
+        heldout_records=args.heldout_records,
+        eval_every=args.eval_every,
+        eval_anchors=args.eval_anchors,
+        max_minutes=args.max_minutes,
+        stop_heldout_acc=args.stop_heldout_acc,
     )
     print(train_dflash(cfg))
     return 0
