@@ -10,7 +10,8 @@ Layout of a cache directory:
 - ``features.bin``: ``[total_tokens, F]`` bfloat16 (stored as raw 2-byte words), ``F =
   len(target_layer_ids) * hidden``; record ``i`` is rows ``offsets[i] .. offsets[i + 1]``;
 - ``topk.bin``: ``[total_tokens, topk]`` int32, the target's ``topk`` most likely next tokens
-  at every position (absent when ``topk == 0``);
+  at every position inside the loss mask (0 elsewhere: no label is predicted there; absent
+  when ``topk == 0``);
 - ``meta.json``: the fingerprint (target, layer ids, top-k, records) and the offsets;
 - ``progress.json``: records and tokens written so far. Building is resumable: an interrupted
   build truncates both files to the last committed record and continues; a finished cache
@@ -201,11 +202,17 @@ def _append_records(
             input_ids=input_ids.to(device),
             attention_mask=attention.long().to(device),
             output_hidden_states=True,
-            logits_to_keep=0 if topk else 1,
+            logits_to_keep=1,
         )
         features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
         features = features.to(torch.bfloat16).cpu()
-        ids_topk = out.logits.topk(topk, dim=-1).indices.int().cpu() if topk else None
+        ids_topk = None
+        if topk:  # LM head only where the loss mask is set (the only positions a label uses)
+            loss_mask = nn.utils.rnn.pad_sequence([m for _, m in chunk], batch_first=True)
+            ids_topk = torch.zeros(*input_ids.shape, topk, dtype=torch.int32)
+            final = out.hidden_states[-1][loss_mask.to(device)]  # after the final norm
+            logits = target.get_output_embeddings()(final)
+            ids_topk[loss_mask] = logits.topk(topk, dim=-1).indices.int().cpu()
         with (path / FEATURES_NAME).open("ab") as feature_file:
             for row, length in enumerate(lengths.tolist()):
                 feature_file.write(features[row, :length].view(torch.int16).numpy().tobytes())
