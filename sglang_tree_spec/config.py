@@ -46,6 +46,8 @@ class TreeConfig:
             best-first choice over drafted and retrieved nodes).
         chain: the DFlash chain: the top-1 token at every drafted depth (L nodes, no tree).
         table_k: successors per token in Graft's shared table.
+        table_partitions: independent partitions of Graft's table (tenant isolation: each
+            request reads and writes its own; 1: one table shared by every request).
     """
 
     budget: int = 64
@@ -53,6 +55,7 @@ class TreeConfig:
     graft: str = "none"
     chain: bool = False
     table_k: int = 8
+    table_partitions: int = 1
     auto: bool = False
     candidates: tuple[int, ...] | None = None
 
@@ -78,6 +81,8 @@ class TreeConfig:
             )
         if self.table_k < 1:
             raise ValueError(f"table_k must be >= 1, got {self.table_k}")
+        if not isinstance(self.table_partitions, int) or self.table_partitions < 1:
+            raise ValueError(f"table_partitions must be an int >= 1, got {self.table_partitions!r}")
 
     @property
     def k(self) -> int:

@@ -273,5 +273,12 @@ def make_selector(
     from sglang_tree_spec.graft import Grafter
 
     return Grafter(
-        config.graft, vocab_size, config.table_k, device, stage, topk=config.k, prune=prune
+        config.graft,
+        vocab_size,
+        config.table_k,
+        device,
+        stage,
+        topk=config.k,
+        prune=prune,
+        partitions=config.table_partitions,
     )

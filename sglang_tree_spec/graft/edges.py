@@ -104,8 +104,10 @@ def edge_evidence(
     topk_tokens: torch.Tensor,
     root_tokens: torch.Tensor,
     table: SuccessorTable,
+    partitions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evidence and drafter marginal of every node of ``tree``, read before the table changes.
+    """Evidence and drafter marginal of every node of ``tree``, read before the table changes
+    (in each request's table partition, ``[bs]``, when given).
 
     Returns:
         ``(evidence [bs, B] int64, q [bs, B] float32)``: see :func:`evidence_classes`; ``q`` is
@@ -116,7 +118,7 @@ def edge_evidence(
         tree.tokens.gather(1, tree.parents.clamp_min(0)),
         root_tokens.to(torch.long).view(-1, 1),
     )
-    evidence = evidence_classes(table.rows(parent_tokens), tree.tokens)
+    evidence = evidence_classes(table.rows(parent_tokens, partitions), tree.tokens)
     q = draft_marginals(topk_logprobs, topk_tokens, tree.depths, tree.tokens).exp()
     return evidence, q
 
@@ -136,13 +138,18 @@ class EdgeAcceptance:
     above; a few dozen observations per cell outweigh them (an earlier prior, independent
     evidence ``1 - (1 - q)(1 - a_r)``, gave the same tau within noise).
 
-    Memory: ``2 * depth_classes * PARENT_RUNS * (k + 2) * len(Q_KNOTS)`` float64.
+    Partitions (tenant isolation, as the successor table's): ``P`` independent sets of counts;
+    every read and count takes an optional per-request partition, NO_PARTITION (-1) reads the
+    prior and counts nothing.
+
+    Memory: ``2 * (P + 1) * depth_classes * PARENT_RUNS * (k + 2) * len(Q_KNOTS)`` float64.
 
     Args:
         k: ranks per successor row.
         depth_classes: how many depth classes are told apart.
         strength: prior pseudo-trials per cell.
         device: where the counts live.
+        partitions: P, independent sets of counts.
     """
 
     def __init__(
@@ -151,14 +158,16 @@ class EdgeAcceptance:
         depth_classes: int = 3,
         strength: float = 4.0,
         device: torch.device | str = "cpu",
+        partitions: int = 1,
     ) -> None:
-        if k < 1 or depth_classes < 1 or strength <= 0:
+        if k < 1 or depth_classes < 1 or strength <= 0 or partitions < 1:
             raise ValueError(
-                f"need k >= 1, depth_classes >= 1, strength > 0; got {k}, {depth_classes}, "
-                f"{strength}"
+                f"need k >= 1, depth_classes >= 1, strength > 0, partitions >= 1; got {k}, "
+                f"{depth_classes}, {strength}, {partitions}"
             )
         self.k = k
         self.depth_classes = depth_classes
+        self.partitions = partitions
         self.knots = torch.tensor(Q_KNOTS, dtype=torch.float32, device=device)
         q = self.knots.double().clamp(P_MIN, P_MAX)
         a = static_template_prior(k).to(device).double()
@@ -169,25 +178,66 @@ class EdgeAcceptance:
         odds = q / (1.0 - q) * ratio
         prior = (odds / (1.0 + odds)).clamp(P_MIN, P_MAX)
         prior[k + 1] = self.knots.double().clamp(P_MIN, P_MAX)  # UNSEEN: exactly q
-        self.trials = torch.full(
-            (depth_classes, PARENT_RUNS, k + 2, len(Q_KNOTS)),
-            float(strength),
+        self.strength = float(strength)
+        self._prior_hits = prior * self.strength  # [k + 2, C]
+        # One more partition than asked: the last one keeps the prior, for NO_PARTITION entries.
+        self._trials = torch.empty(
+            (partitions + 1, depth_classes, PARENT_RUNS, k + 2, len(Q_KNOTS)),
             dtype=torch.float64,
             device=device,
         )
-        self.hits = prior.expand_as(self.trials) * strength
-        self.strength = float(strength)
+        self._hits = torch.empty_like(self._trials)
+        self.reset()
 
     @property
     def device(self) -> torch.device:
-        return self.trials.device
+        return self._trials.device
 
-    def rates(self) -> torch.Tensor:
-        """``[depth_classes, PARENT_RUNS, k + 2, C]`` float32 match rates. A parent run's
-        rate is shrunk toward the rate pooled over all runs by ``strength`` pseudo-trials, so
-        a run seen rarely borrows from the others instead of from the prior alone."""
-        pooled = self.hits.sum(1, keepdim=True) / self.trials.sum(1, keepdim=True)
-        return ((self.hits + self.strength * pooled) / (self.trials + self.strength)).float()
+    @property
+    def trials(self) -> torch.Tensor:
+        """``[depth_classes, PARENT_RUNS, k + 2, C]`` tried counts (prior included) of
+        partition 0 (a view)."""
+        return self._trials[0]
+
+    @trials.setter
+    def trials(self, value: torch.Tensor) -> None:
+        self._trials[0] = value
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """Hit counts of partition 0 (a view), as :attr:`trials`."""
+        return self._hits[0]
+
+    @hits.setter
+    def hits(self, value: torch.Tensor) -> None:
+        self._hits[0] = value
+
+    def reset(self, partition: int | None = None) -> None:
+        """Back to the prior (one partition only, when given)."""
+        parts = slice(None) if partition is None else partition
+        if partition is not None and not 0 <= partition < self.partitions:
+            raise ValueError(f"partition {partition} is not in [0, {self.partitions})")
+        self._trials[parts] = self.strength
+        self._hits[parts] = self._prior_hits
+
+    def _partition_index(self, partitions: torch.Tensor | None) -> torch.Tensor:
+        """Storage index of each partition (int64): NO_PARTITION reads the prior-only one."""
+        if partitions is None:
+            return torch.zeros((), dtype=torch.long, device=self.device)
+        parts = torch.as_tensor(partitions, device=self.device).to(torch.long)
+        return torch.where(parts >= 0, parts, self.partitions)
+
+    def _all_rates(self) -> torch.Tensor:
+        """``[P + 1, depth_classes, PARENT_RUNS, k + 2, C]`` float32 match rates. A parent
+        run's rate is shrunk toward the rate pooled over all runs by ``strength`` pseudo-trials,
+        so a run seen rarely borrows from the others instead of from the prior alone."""
+        pooled = self._hits.sum(2, keepdim=True) / self._trials.sum(2, keepdim=True)
+        return ((self._hits + self.strength * pooled) / (self._trials + self.strength)).float()
+
+    def rates(self, partition: int = 0) -> torch.Tensor:
+        """``[depth_classes, PARENT_RUNS, k + 2, C]`` float32 match rates of one partition
+        (see :meth:`_all_rates`)."""
+        return self._all_rates()[partition]
 
     def _knots(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Knot below ``q`` (int64) and the weight ``w`` of the knot above, same shape."""
@@ -203,12 +253,17 @@ class EdgeAcceptance:
         depth_class = depths.clamp(1, self.depth_classes) - 1
         return ((depth_class * PARENT_RUNS + runs) * (self.k + 2) + evidence) * len(Q_KNOTS)
 
+    @property
+    def _partition_cells(self) -> int:
+        return self.depth_classes * PARENT_RUNS * (self.k + 2) * len(Q_KNOTS)
+
     def probs(
         self,
         depths: torch.Tensor | int,
         evidence: torch.Tensor,
         q: torch.Tensor,
         runs: torch.Tensor | int = 0,
+        partitions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``P(match | parent accepted)``, broadcast over the inputs, float32 in
         ``[P_MIN, P_MAX]``.
@@ -218,39 +273,50 @@ class EdgeAcceptance:
             evidence: int64 :func:`evidence_classes`.
             q: drafter marginals in ``[0, 1]``.
             runs: parent runs (``0 .. PARENT_RUNS - 1``), an int or an int64 tensor.
+            partitions: the partition whose counts each entry reads (None: partition 0;
+                NO_PARTITION: the prior alone), broadcast like the others.
         """
         depths = torch.as_tensor(depths, device=self.device)
         runs = torch.as_tensor(runs, device=self.device)
         below, w = self._knots(q)
-        cell = self._cells(depths, runs, evidence) + below
-        rate = self.rates().flatten()
+        offset = self._partition_index(partitions) * self._partition_cells
+        cell = self._cells(depths, runs, evidence) + below + offset
+        rate = self._all_rates().flatten()
         p = (1.0 - w) * rate[cell] + w * rate[cell + 1]
         return p.clamp(P_MIN, P_MAX)
 
-    def log_probs_by_evidence(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs_by_evidence(
+        self, q: torch.Tensor, partitions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``log P(match)`` under every parent run and evidence class, for a whole drafted
         block at once (the unified policy gathers from it).
 
         Args:
             q: ``[bs, L, K]`` the drafter's top-K marginals at depths ``1 .. L``.
+            partitions: optional ``[bs]`` partition of each request (None: partition 0).
 
         Returns:
-            ``(drafted [bs, L, K, S * (k + 2)], retrieved [L, S, k])`` float32 with
+            ``(drafted [bs, L, K, S * (k + 2)], retrieved [bs, L, S, k])`` float32 with
             ``S = PARENT_RUNS``: a drafted token of marginal ``q`` in each (parent run,
             evidence class) cell, run-major, and a retrieved token the drafter does not
             propose (``q = 0``) at each rank.
         """
-        depth_count, knot_count = q.shape[1], len(Q_KNOTS)
+        bs, depth_count, top = q.shape
+        knot_count = len(Q_KNOTS)
         cells = PARENT_RUNS * (self.k + 2)
         depths = torch.arange(1, depth_count + 1, device=self.device)
         depth_class = depths.clamp_max(self.depth_classes) - 1
-        rate = self.rates()[depth_class]  # [L, S, k + 2, C]
-        by_knot = rate.permute(0, 3, 1, 2).reshape(depth_count * knot_count, cells)
+        parts = self._partition_index(partitions).expand(bs)
+        rate = self._all_rates()[parts][:, depth_class]  # [bs, L, S, k + 2, C]
+        by_knot = rate.permute(0, 1, 4, 2, 3).reshape(bs, depth_count * knot_count, cells)
         below, w = self._knots(q)
         below = below + (depths - 1).view(1, -1, 1) * knot_count  # row of (depth, knot)
+        below = below.view(bs, depth_count * top, 1).expand(-1, -1, cells)
+        low = by_knot.gather(1, below).view(bs, depth_count, top, cells)
+        high = by_knot.gather(1, below + 1).view(bs, depth_count, top, cells)
         w = w.unsqueeze(-1)
-        p = (1.0 - w) * by_knot[below] + w * by_knot[below + 1]
-        retrieved = rate[:, :, : self.k, 0]  # q = 0: the first knot, exactly
+        p = (1.0 - w) * low + w * high
+        retrieved = rate[..., : self.k, 0]  # q = 0: the first knot, exactly
         return p.clamp(P_MIN, P_MAX).log(), retrieved.clamp(P_MIN, P_MAX).log()
 
     def observe(
@@ -259,6 +325,7 @@ class EdgeAcceptance:
         evidence: torch.Tensor,
         q: torch.Tensor,
         committed: torch.Tensor,
+        partitions: torch.Tensor | None = None,
     ) -> None:
         """Count one verify step: node ``u`` is *tried* when its parent was accepted (or is the
         root) and *hits* when its token is the one the target committed at its depth.
@@ -268,6 +335,8 @@ class EdgeAcceptance:
             evidence, q: ``[bs, B]`` :func:`edge_evidence` of ``tree`` at drafting time.
             committed: ``[bs, L + 1]`` committed tokens (accepted drafts, then the bonus; -1
                 after).
+            partitions: optional ``[bs]`` partition each request counts into (None: 0;
+                NO_PARTITION: nothing is counted).
         """
         bs, budget = tree.tokens.shape
         accepted = torch.zeros(bs, budget + 1, dtype=torch.bool, device=tree.device)
@@ -280,24 +349,29 @@ class EdgeAcceptance:
             hit = reached & (tree.tokens == committed[:, depth - 1 : depth])
             accepted[:, 1:] |= hit
             tried |= reached
+        if partitions is not None:
+            tried &= (torch.as_tensor(partitions, device=self.device) >= 0).view(bs, 1)
         hits = tried & accepted[:, 1:]
         below, w = self._knots(q)
         runs = parent_runs(tree, evidence, self.k)
-        cell = (self._cells(tree.depths, runs, evidence) + below).flatten()
+        offset = self._partition_index(partitions).view(-1, 1) * self._partition_cells
+        cell = (self._cells(tree.depths, runs, evidence) + below + offset).flatten()
         w = w.double().flatten()
-        for offset, weight in ((0, 1.0 - w), (1, w)):
-            self.trials.view(-1).index_add_(0, cell + offset, tried.flatten() * weight)
-            self.hits.view(-1).index_add_(0, cell + offset, hits.flatten() * weight)
+        for index, weight in ((cell, 1.0 - w), (cell + 1, w)):
+            self._trials.view(-1).index_add_(0, index, tried.flatten() * weight)
+            self._hits.view(-1).index_add_(0, index, hits.flatten() * weight)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """``{"trials", "hits"}`` copies, for a warm-up carried to another engine."""
-        return {"trials": self.trials.clone(), "hits": self.hits.clone()}
+        """``{"trials", "hits"}`` copies (``[P, ...]``), for a warm-up carried to another
+        engine."""
+        counts = slice(0, self.partitions)
+        return {"trials": self._trials[counts].clone(), "hits": self._hits[counts].clone()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        if tuple(state["trials"].shape) != tuple(self.trials.shape):
+        shape = self._trials[: self.partitions].shape
+        if tuple(state["trials"].shape) != tuple(shape):
             raise ValueError(
-                f"counts of shape {tuple(state['trials'].shape)} do not fit "
-                f"{tuple(self.trials.shape)}"
+                f"counts of shape {tuple(state['trials'].shape)} do not fit {tuple(shape)}"
             )
-        self.trials.copy_(state["trials"])
-        self.hits.copy_(state["hits"])
+        self._trials[: self.partitions].copy_(state["trials"])
+        self._hits[: self.partitions].copy_(state["hits"])

@@ -5,6 +5,11 @@ successor table (and, for ``unified``, the edge acceptance estimate) shared by e
 one engine or server. Each step the decode step calls :meth:`Grafter.select` on the drafter's
 top-K and, after the target verified the tree, :meth:`Grafter.learn` with the verify logits.
 Pure torch, fixed shapes, no host reads (``prune`` aside, for host tensors).
+
+Tenant isolation: with ``partitions > 1`` the table and the edge estimate hold that many
+independent partitions; the caller binds each batch's requests to theirs (:meth:`Grafter.bind`)
+before :meth:`~Grafter.observe_prompts`, :meth:`~Grafter.select` and :meth:`~Grafter.learn`,
+and a request then reads and writes its own partition only.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Grafter:
             prompts); ignored by ``unified``.
         topk: K, drafted tokens per depth.
         prune: the host DDTree builder's early stop (``stage`` builds a DDTree first).
+        partitions: independent partitions of the table and the edge estimate (1: one state
+            shared by every request).
 
     Attributes:
         nested: False: a grafted tree at a smaller budget is not a cut of a larger one.
@@ -55,19 +62,44 @@ class Grafter:
         stage: StageConfig | None = None,
         topk: int = 64,
         prune: bool = False,
+        partitions: int = 1,
     ) -> None:
         if method not in GRAFT_METHODS:
             raise ValueError(f"graft method must be one of {GRAFT_METHODS}, got {method!r}")
         self.method, self.topk, self.prune = method, topk, prune
         self.stage = stage or StageConfig()
-        self.successors = SuccessorTable(vocab_size, k, device)
+        self.partitions = partitions
+        self.successors = SuccessorTable(vocab_size, k, device, partitions)
         unified = method == "unified"
-        self.edge_acceptance = EdgeAcceptance(k, device=device) if unified else None
+        self.edge_acceptance = (
+            EdgeAcceptance(k, device=device, partitions=partitions) if unified else None
+        )
         self._evidence: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last tree
+        self._bound: torch.Tensor | None = None  # [bs] partitions of the current batch
+
+    def bind(self, partitions: torch.Tensor | None, reset: tuple[int, ...] = ()) -> None:
+        """The partition of each request of the batches to come, ``[bs]`` int (-1: none, the
+        request reads nothing learnt and writes nothing); None: partition 0 for every request.
+        ``reset``: partitions handed to a new owner, forgotten first."""
+        for partition in reset:
+            self.successors.reset(partition)
+            if self.edge_acceptance is not None:
+                self.edge_acceptance.reset(partition)
+        self._bound = None if partitions is None else partitions.to(self.successors.device)
+
+    def _partitions(self, batch_size: int) -> torch.Tensor | None:
+        """The bound partitions, checked against the batch (host shapes only)."""
+        if self._bound is not None and self._bound.shape != (batch_size,):
+            raise ValueError(
+                f"bound partitions of shape {tuple(self._bound.shape)} do not fit a batch of "
+                f"{batch_size}"
+            )
+        return self._bound
 
     def observe_prompts(self, token_ids: torch.Tensor) -> None:
         """Warm start from the bigrams of ``[n, T]`` prompt token ids (-1 = padding)."""
-        self.successors.observe(token_ids.to(self.successors.device))
+        partitions = self._partitions(token_ids.shape[0])
+        self.successors.observe(token_ids.to(self.successors.device), partitions)
 
     def select(
         self,
@@ -83,19 +115,32 @@ class Grafter:
             root_tokens: ``[bs]`` bonus tokens.
             budget: B.
         """
+        partitions = self._partitions(root_tokens.shape[0])
         if self.edge_acceptance is None:
             tree = build_ddtree(
                 topk_logprobs, topk_tokens, budget, validate=False, prune=self.prune
             )
             return graft_stage(
-                tree, topk_logprobs, topk_tokens, root_tokens, self.successors, self.stage
+                tree,
+                topk_logprobs,
+                topk_tokens,
+                root_tokens,
+                self.successors,
+                self.stage,
+                partitions,
             )
         grafted = graft_unified(
-            budget, topk_logprobs, topk_tokens, root_tokens, self.successors, self.edge_acceptance
+            budget,
+            topk_logprobs,
+            topk_tokens,
+            root_tokens,
+            self.successors,
+            self.edge_acceptance,
+            partitions,
         )
         # Edge acceptance is counted against the rows the tree was drafted from.
         self._evidence = edge_evidence(
-            grafted, topk_logprobs, topk_tokens, root_tokens, self.successors
+            grafted, topk_logprobs, topk_tokens, root_tokens, self.successors, partitions
         )
         return grafted
 
@@ -114,10 +159,13 @@ class Grafter:
             logits: ``[bs, W, V]`` the target's logits at every window slot.
             committed: ``[bs, L + 1]`` committed tokens (accepted drafts, the bonus, -1 after).
         """
+        partitions = self._partitions(window_tokens.shape[0])
         if self.edge_acceptance is not None:
             if self._evidence is None:
                 raise RuntimeError("Grafter.learn needs the tree of the last Grafter.select")
-            self.edge_acceptance.observe(tree, *self._evidence, committed)
+            self.edge_acceptance.observe(tree, *self._evidence, committed, partitions)
             self._evidence = None
         valid = window_valid(tree).flatten()
-        self.successors.update(window_tokens.flatten(), logits.flatten(0, 1), valid)
+        if partitions is not None:  # one per window slot
+            partitions = partitions.view(-1, 1).expand_as(window_tokens).flatten()
+        self.successors.update(window_tokens.flatten(), logits.flatten(0, 1), valid, partitions)

@@ -81,6 +81,7 @@ def _build_pool(
     topk_tokens: torch.Tensor,
     root_tokens: torch.Tensor,
     table: SuccessorTable,
+    partitions: torch.Tensor | None = None,
 ) -> _Pool:
     """Retrieve the envelope, merge it into the draft tree, and pool both."""
     bs, budget = tree.batch_size, tree.budget
@@ -99,7 +100,7 @@ def _build_pool(
         parent_token = torch.where(under_root, root, tokens.gather(1, t_parent))
         identity = torch.where(under_root, -1, merged.gather(1, t_parent))  # draft parent id
         can_merge = under_root | (identity >= 0)
-        token = table.lookup(parent_token, t_rank)  # [bs, T]
+        token = table.lookup(parent_token, t_rank, partitions)  # [bs, T]
         match = (
             tree.valid.unsqueeze(1)
             & (tree.parents.unsqueeze(1) == identity.unsqueeze(2))
@@ -260,6 +261,7 @@ def graft_stage(
     root_tokens: torch.Tensor,
     table: SuccessorTable,
     config: StageConfig,
+    partitions: torch.Tensor | None = None,
 ) -> DraftTree:
     """Graft's prune-then-graft rule on a DDTree.
 
@@ -276,11 +278,13 @@ def graft_stage(
         root_tokens: ``[bs]`` bonus tokens.
         table: the successor table.
         config: checkpoints, thresholds, keep fractions.
+        partitions: optional ``[bs]`` table partition of each request (see
+            :class:`~sglang_tree_spec.graft.table.SuccessorTable`).
     """
     _check_inputs(tree, topk_tokens, root_tokens)
     budget = tree.budget
     template = static_template(budget, tree.max_depth, table.k, tree.device)
-    pool = _build_pool(tree, template, topk_logprobs, topk_tokens, root_tokens, table)
+    pool = _build_pool(tree, template, topk_logprobs, topk_tokens, root_tokens, table, partitions)
     keep = stage_keep(topk_logprobs, config, budget).unsqueeze(1)  # [bs, 1]
     # Tiers: kept draft nodes, then the template in its order, then the other draft nodes.
     draft_position = best_first_position(tree.logprobs.float())  # [bs, B]
@@ -372,6 +376,7 @@ def graft_unified(
     root_tokens: torch.Tensor,
     table: SuccessorTable,
     edges: EdgeAcceptance,
+    partitions: torch.Tensor | None = None,
 ) -> DraftTree:
     """One best-first selection over drafted and retrieved candidates under DDTree's surrogate.
 
@@ -408,6 +413,8 @@ def graft_unified(
         table: the successor table.
         edges: the edge acceptance estimate (:class:`~sglang_tree_spec.graft.edges.
             EdgeAcceptance`, same ``k`` as the table).
+        partitions: optional ``[bs]`` partition of each request in the table and the edge
+            estimate (each request reads its own partition only).
     """
     _check_roots(topk_tokens, root_tokens)
     if edges.k != table.k:
@@ -420,7 +427,9 @@ def graft_unified(
     drafted_all = topk_tokens.to(torch.long)
     # Per depth, the drafted tokens sorted (contiguous rows, for the search of row tokens).
     sorted_all, order_all = (x.transpose(0, 1).contiguous() for x in drafted_all.sort(dim=2))
-    log_p_all, retrieved_log_p_all = edges.log_probs_by_evidence(topk_logprobs.float().exp())
+    log_p_all, retrieved_log_p_all = edges.log_probs_by_evidence(
+        topk_logprobs.float().exp(), partitions
+    )  # [bs, L, K, S * (k + 2)], [bs, L, S, k]
     ranks = torch.arange(k, device=device)
     # The parents of the current depth: the root (run 0), then the previous beam.
     parent_tokens = root_tokens.to(torch.long).view(bs, 1)
@@ -430,7 +439,7 @@ def graft_unified(
     beams: list[tuple[torch.Tensor, ...]] = []  # (score, token, parent, logprob) [bs, B]
     for d in range(depth_count):
         n_parents = parent_tokens.shape[1]
-        rows = table.table[parent_tokens].to(torch.long)  # [bs, P, k]; parents are real tokens
+        rows = table.rows(parent_tokens, partitions)  # [bs, P, k]; parents are real tokens
         known = rows != UNKNOWN
         # Where each row token sits among the drafted tokens (sorted search, not [P, K, k]).
         flat_rows = rows.view(bs, n_parents * k)
@@ -444,9 +453,8 @@ def graft_unified(
         cell = parent_run.unsqueeze(2) * (k + 2) + evidence  # [bs, P, K]
         drafted_log_p = log_p_all[:, d].unsqueeze(1).expand(-1, n_parents, -1, -1)
         drafted_log_p = drafted_log_p.gather(3, cell.unsqueeze(3)).squeeze(3)  # [bs, P, K]
-        retrieved_log_p = torch.where(
-            known & ~in_draft, retrieved_log_p_all[d][parent_run], float("-inf")
-        )  # [bs, P, k]
+        by_run = retrieved_log_p_all[:, d].gather(1, parent_run.unsqueeze(2).expand(-1, -1, k))
+        retrieved_log_p = torch.where(known & ~in_draft, by_run, float("-inf"))  # [bs, P, k]
         # [bs, P * (K + k)]: drafted children, then retrieved ones; -inf under invalid parents
         score = parent_score.unsqueeze(2) + torch.cat([drafted_log_p, retrieved_log_p], 2)
         score = score.flatten(1)
