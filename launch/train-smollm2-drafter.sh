@@ -14,6 +14,18 @@
 # the batch was halved at step 80 and the total shortened three times to finish in time. For a
 # longer run set e.g. MAX_PROMPTS="0 0" (all prompts) STAGES="3000:4:64:3000".
 #
+# Long runs (RECIPE=long): the target's features at the drafter's layers and its top-k next
+# tokens are computed once per record and cached in $WORK/features (bf16 + int32, 2,336 bytes
+# per token: about 0.43 GB for the shipped data's 184k tokens; built once, resumable), so each
+# step runs the drafter only; the loss runs over a shortlist (labels + cached target top-TOPK +
+# NEGATIVES sampled negatives). The last HELDOUT records are held out and their slot-1
+# acceptance is printed every EVAL_EVERY steps. One stage of STEPS steps (batch BATCH, ANCHORS
+# anchors); it stops at STEPS, after MAX_MINUTES of training, or once the held-out slot-1
+# acceptance reaches STOP_ACC, whichever comes first; the same command resumes it (checkpoint
+# every SAVE_EVERY steps in $WORK/train-long).
+#
+#   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
+#
 # Output: $OUT (default <cache root>/drafters/smollm2-135m-instruct-dflash, where
 # `sglang-tree-spec demo` looks first), work files (data, fp32 checkpoints every 40 steps,
 # train_log.jsonl) in $WORK. Every stage resumes: regeneration skips the records already written,
@@ -31,6 +43,26 @@ out=${OUT:-$cache/drafters/$name-dflash}
 read -r -a max_prompts <<< "${MAX_PROMPTS:-576 512}"
 stages=${STAGES:-"600:4:64:40 430:4:64:80 820:2:32:200 660:2:32:400 560:2:32:560"}
 threads=${THREADS:-2}
+recipe=${RECIPE:-replay}
+train=$work/train
+extra=()
+case "$recipe" in
+  replay) ;;
+  long)
+    steps=${STEPS:-20000}
+    stages="$steps:${BATCH:-4}:${ANCHORS:-64}:$steps"
+    train=$work/train-long
+    extra=(--feature-cache "$work/features" --cache-topk "${TOPK:-8}"
+      --shortlist-negatives "${NEGATIVES:-2048}" --heldout-records "${HELDOUT:-32}"
+      --eval-every "${EVAL_EVERY:-200}" --save-every "${SAVE_EVERY:-100}")
+    if [ -n "${MAX_MINUTES:-}" ]; then extra+=(--max-minutes "$MAX_MINUTES"); fi
+    if [ -n "${STOP_ACC:-}" ]; then extra+=(--stop-heldout-acc "$STOP_ACC"); fi
+    ;;
+  *)
+    echo "train-smollm2-drafter: RECIPE=$recipe is neither replay nor long" >&2
+    exit 2
+    ;;
+esac
 shards=${#max_prompts[@]}
 mkdir -p "$work"
 
@@ -62,12 +94,13 @@ EOF
 for stage in $stages; do
   IFS=: read -r steps batch anchors stop <<< "$stage"
   OMP_NUM_THREADS=$threads "${cli[@]}" models train-drafter --target "$target" \
-    --data "$work/data.jsonl" --out "$work/train" --block-size 16 --num-layers 2 --gamma 7 \
+    --data "$work/data.jsonl" --out "$train" --block-size 16 --num-layers 2 --gamma 7 \
     --seq-len 512 --lr 2e-3 --save-every 40 --log-every 10 --seed 0 --device cpu \
-    --steps "$steps" --batch-size "$batch" --anchors-per-seq "$anchors" --stop-at "$stop"
+    --steps "$steps" --batch-size "$batch" --anchors-per-seq "$anchors" --stop-at "$stop" \
+    "${extra[@]}"
 done
 
-"$python" - "$work/train" "$out" <<'EOF'
+"$python" - "$train" "$out" <<'EOF'
 import sys
 
 import torch
@@ -76,6 +109,6 @@ from sglang_tree_spec.drafters.dflash import DFlashDrafter
 
 DFlashDrafter.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])
 EOF
-cp "$work/train/train_log.jsonl" "$work/data.jsonl.meta.json" "$out/"
+cp "$train/train_log.jsonl" "$work/data.jsonl.meta.json" "$out/"
 echo "drafter: $out"
 sha256sum "$out/model.safetensors"

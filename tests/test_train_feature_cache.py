@@ -225,6 +225,22 @@ def test_shortlist_gradient_follows_the_full_gradient(target):
         assert cosine > 0.95, (seed, cosine)
 
 
+def test_corrected_negatives_estimate_the_full_loss(target):
+    """The sampled negatives' ``log(rest / drawn)`` correction makes the shortlist loss an
+    estimate of the full loss (without it, the loss misses the unsampled tokens' mass)."""
+    drafter, hidden, labels, weights, candidates = loss_setup(target, seed=5)
+    with torch.no_grad():
+        states = hidden()
+        full = block_loss(states, labels, weights, target.lm_head)[0]
+        draws = [
+            shortlist_block_loss(
+                states, labels, weights, target.lm_head, 64, torch.Generator().manual_seed(i)
+            )[0]
+            for i in range(20)
+        ]
+    assert abs(torch.stack(draws).mean() - full) < 0.02 * full, (full, draws[:3])
+
+
 def test_block_candidates_are_the_predictions_of_each_label():
     topk = torch.arange(10)[None, :, None] * 10 + torch.arange(2)  # position t: [10t, 10t + 1]
     picked = block_candidates(topk, torch.tensor([[3, 5]]), block_size=3)
