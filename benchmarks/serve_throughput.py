@@ -1,98 +1,185 @@
-"""Benchmark: output throughput of a real SGLang server, no speculation vs DDTREE.
+"""Benchmark: a real SGLang server at concurrency 1-16: no speculation, the chain, DDTREE.
 
-For each configuration (``none``, ``ddtree:B`` for each budget, ``ddtree-graft:B`` with the
-unified graft, and on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter)
-one server is started with SGLang's own launcher,
-warmed up, then sent the same held-out prompts at each concurrency (greedy, fixed output
-length). Output tokens/s is the total of generated tokens over the wall time of that round;
-tau is SGLang's per-request accept length (tokens per verify step, bonus included). Ratios are
-against ``none`` measured in the same run. Every configuration's greedy outputs are compared to
-``none``'s and the mismatches counted.
+For each configuration one server is started with SGLang's own launcher (``--enable-metrics``),
+warmed up, then sent the same held-out prompts at each concurrency (greedy, fixed output length,
+streamed). Per round: output tokens/s (generated tokens over the round's wall time), SGLang's
+accept length tau (tokens per verify step, bonus included), time to first token and the gaps
+between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures them), and for DDTREE
+the round's window of the server's ``sglang:ddtree_*`` metrics: the budgets chosen, the
+calibrated predicted vs observed accept length, and the latency model's step-time error.
+Ratios are against ``none`` measured in the same run; every configuration's greedy outputs are
+compared with ``none``'s (the ``mismatch`` column must be 0).
 
-    python benchmarks/serve_throughput.py                        # CPU, the committed small pair
+Configurations: ``none``; ``chain`` (DDTREE at top-1 per depth and the drafter's whole block:
+the DFlash chain through the same worker); ``ddtree:B`` (fixed budget B); ``ddtree:auto``
+(budget control up to ``--auto-max-budget``); ``ddtree-graft:B|auto`` (with the unified graft);
+on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter.
+
+    python benchmarks/serve_throughput.py                    # CPU, the shipped small pair
+    python benchmarks/serve_throughput.py --configs none chain ddtree:auto --prompts 8
     python benchmarks/serve_throughput.py --device cuda --target DIR --drafter DIR \\
-        --configs none dflash ddtree:16 ddtree:64 --attention-backend triton \\
-        --out benchmarks/results/serve_throughput_h100.json
+        --configs none dflash ddtree:16 ddtree:auto --attention-backend triton \\
+        --dtype bfloat16 --out benchmarks/results/serve_throughput_h100.json
+
+Writes the JSON record, a markdown table (``.md``) and a plot (``.png``) next to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+from common import command_line, environment
+from tqdm import tqdm
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.server_process import (
+    ddtree_metrics,
     free_port,
-    http_json,
     launch,
     stop,
     wait_until_healthy,
 )
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "serve_throughput_cpu.json"
+DEFAULT_CONFIGS = ["none", "chain", "ddtree:4", "ddtree:8", "ddtree:16", "ddtree:auto"]
+DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
+
+
+def drafter_block(drafter: Path) -> int:
+    """The DFlash drafter's block size (its ``config.json``)."""
+    return int(json.loads((drafter / "config.json").read_text())["block_size"])
 
 
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
-    """SGLang's launcher for one configuration: ``none``, ``dflash``, ``ddtree:<budget>`` or
-    ``ddtree-graft:<budget>``, where the budget is a number (fixed) or ``auto`` (budget
-    control up to ``--auto-max-budget``)."""
+    """SGLang's launcher for one configuration (see the module docstring)."""
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.target), "--device", args.device,
         "--attention-backend", args.attention_backend, "--dtype", args.dtype,
         "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0",
         "--max-running-requests", str(max(args.concurrency)),
-        "--max-total-tokens", str(args.max_total_tokens),
+        "--max-total-tokens", str(args.max_total_tokens), "--enable-metrics",
     ]  # fmt: skip
+    drafter = ["--speculative-draft-model-path", str(args.drafter)]
     if config == "dflash":
-        command += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
-                    str(args.drafter)]  # fmt: skip
-    elif config.startswith(("ddtree:", "ddtree-graft:")):
+        return [*command, "--speculative-algorithm", "DFLASH", *drafter]
+    if config == "chain":
+        depth = drafter_block(args.drafter) - 1
+        return [*command, "--speculative-algorithm", "DDTREE", *drafter,
+                "--speculative-num-draft-tokens", str(depth + 1),
+                "--speculative-ddtree-budget", str(depth),
+                "--speculative-ddtree-topk", "1"]  # fmt: skip
+    if config.startswith(("ddtree:", "ddtree-graft:")):
         budget = config.split(":", 1)[1]
         largest = args.auto_max_budget if budget == "auto" else int(budget)
-        command += ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-                    str(args.drafter),
+        command += ["--speculative-algorithm", "DDTREE", *drafter,
                     "--speculative-num-draft-tokens", str(largest + 1),
                     "--speculative-ddtree-budget", budget]  # fmt: skip
         if config.startswith("ddtree-graft:"):
             command += ["--speculative-ddtree-graft", "unified"]
-    elif config != "none":
-        raise SystemExit(
-            f"unknown configuration {config!r} (none, dflash, ddtree:<B>, ddtree-graft:<B>)"
-        )
-    return command
+        return command
+    if config == "none":
+        return command
+    raise SystemExit(
+        f"unknown configuration {config!r} (none, chain, dflash, ddtree:<B|auto>, "
+        "ddtree-graft:<B|auto>)"
+    )
 
 
-def run_round(base_url: str, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
-    """All prompts at ``concurrency`` requests in flight; throughput, tau and the outputs."""
+def stream_one(base_url: str, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed greedy request: its output ids, TTFT, chunk gaps and SGLang's meta."""
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    body = json.dumps({"input_ids": prompt, "sampling_params": params, "stream": True}).encode()
+    request = urllib.request.Request(
+        f"{base_url}/generate", data=body, headers={"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    arrivals, output_ids, meta = [], [], {}
+    with urllib.request.urlopen(request, timeout=1800) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            arrivals.append(time.perf_counter() - start)
+            output_ids = _cumulative(output_ids, chunk.get("output_ids", []), chunk)
+            meta = chunk.get("meta_info", meta)
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    return {"output_ids": output_ids, "ttft": arrivals[0], "gaps": gaps, "meta": meta}
+
+
+def _cumulative(so_far: list[int], ids: list[int], chunk: dict) -> list[int]:
+    """The output so far: SGLang streams cumulative ids unless incremental streaming is on
+    (then each chunk carries only its new ids)."""
+    done = chunk.get("meta_info", {}).get("completion_tokens")
+    return ids if done is None or len(ids) == done else so_far + ids
+
+
+def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """A round's DDTREE metrics: steps per budget and, under auto, the mean predicted vs
+    observed accept length and the latency model's mean |error| / measured step time."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    budgets = {
+        int(k.split("=")[1].rstrip("}")): int(v)
+        for k, v in delta.items()
+        if k.startswith("steps_total{") and v > 0
+    }
+
+    def mean(total: str, count: str) -> float | None:
+        return round(delta[total] / delta[count], 3) if delta.get(count) else None
+
+    return {
+        "budget_steps": dict(sorted(budgets.items())),
+        "predicted_accept": mean("predicted_accept_tokens_total", "verified_requests_total"),
+        "observed_accept": mean("accepted_tokens_total", "verified_requests_total"),
+        "step_time_error": mean("step_time_abs_rel_error_total", "timed_steps_total"),
+    }
+
+
+def run_round(
+    base_url: str, prompts: list[list[int]], concurrency: int, new_tokens: int, bar: tqdm
+) -> dict:
+    """All prompts at ``concurrency`` requests in flight."""
 
     def one(prompt: list[int]) -> dict:
-        params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-        payload = {"input_ids": prompt, "sampling_params": params}
-        return http_json(f"{base_url}/generate", payload, timeout=1800)
+        reply = stream_one(base_url, prompt, new_tokens)
+        bar.update(1)
+        return reply
 
+    before = ddtree_metrics(base_url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         replies = list(pool.map(one, prompts))
     wall = time.perf_counter() - start
     generated = sum(len(reply["output_ids"]) for reply in replies)
-    taus = [reply["meta_info"].get("spec_accept_length") for reply in replies]
+    taus = [r["meta"].get("spec_accept_length") for r in replies]
     taus = [t for t in taus if t is not None]
+    gaps = sorted(g for r in replies for g in r["gaps"])
     return {
         "concurrency": concurrency,
         "output_tokens_per_s": round(generated / wall, 2),
         "wall_s": round(wall, 3),
         "tau": round(statistics.mean(taus), 3) if taus else 1.0,
+        "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in replies), 1),
+        "itl_p50_ms": round(1000 * _quantile(gaps, 0.5), 2) if gaps else None,
+        "itl_p99_ms": round(1000 * _quantile(gaps, 0.99), 2) if gaps else None,
+        "control": control_summary(before, ddtree_metrics(base_url)),
         "outputs": [reply["output_ids"] for reply in replies],
     }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], log: Path) -> list:
@@ -101,21 +188,129 @@ def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], log
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_until_healthy(base_url, process, log)
-        run_round(base_url, prompts[:2], 2, 8)  # warm-up
-        return [run_round(base_url, prompts, c, args.new_tokens) for c in args.concurrency]
+        total = len(prompts) * len(args.concurrency)
+        with tqdm(total=total, desc=f"{config:>14}", unit="req", file=sys.stdout) as bar:
+            with ThreadPoolExecutor(2) as pool:  # warm-up
+                list(pool.map(lambda p: stream_one(base_url, p, 8), prompts[:2]))
+            return [run_round(base_url, prompts, c, args.new_tokens, bar) for c in args.concurrency]
     finally:
         stop(process)
 
 
-def main() -> None:
+def table_rows(results: dict[str, list]) -> list[dict]:
+    """One row per (configuration, concurrency), with the ratio and mismatches against none."""
+    reference = results.get("none")
+    rows = []
+    for config, rounds in results.items():
+        for i, r in enumerate(rounds):
+            base = reference[i] if reference else None
+            rows.append(
+                {k: v for k, v in r.items() if k != "outputs"}
+                | {
+                    "config": config,
+                    "speedup_vs_none": (
+                        round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
+                        if base
+                        else None
+                    ),
+                    "mismatched_outputs": (
+                        sum(a != b for a, b in zip(r["outputs"], base["outputs"], strict=True))
+                        if base
+                        else None
+                    ),
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    """The table people read: one line per configuration and concurrency."""
+    lines = [
+        f"Output tokens/s through a real SGLang {env.get('sglang', '')} server on "
+        f"{env['device']} ({env['target']}); greedy, {env['prompts']} prompts of "
+        f"{env['prompt_tokens']} tokens, {env['new_tokens']} new tokens each. `x none`: ratio "
+        "to no speculation in the same run; `mismatch`: outputs differing from no "
+        "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
+        "predicted vs observed accept length; C err: latency model's mean step-time error.",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+        "| config | conc | tok/s | x none | tau | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+        "| mismatch | budgets | pred/obs | C err |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in rows:
+        c = r["control"]
+        ratio = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
+        pred_obs = (
+            f"{c['predicted_accept']:.2f}/{c['observed_accept']:.2f}"
+            if c["predicted_accept"] is not None
+            else "-"
+        )
+        err = f"{100 * c['step_time_error']:.0f}%" if c["step_time_error"] is not None else "-"
+        budgets = " ".join(f"{b}:{n}" for b, n in c["budget_steps"].items()) or "-"
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {ratio} "
+            f"| {r['tau']:.2f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']} | {r['itl_p99_ms']} "
+            f"| {r['mismatched_outputs'] if r['mismatched_outputs'] is not None else '-'} "
+            f"| {budgets} | {pred_obs} | {err} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Throughput against concurrency per configuration, and auto's chosen budgets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        left.plot(
+            [r["concurrency"] for r in mine],
+            [r["output_tokens_per_s"] for r in mine],
+            marker="o",
+            label=config,
+            linewidth=2.5 if "auto" in config else 1.2,
+        )
+    left.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    levels = sorted({r["concurrency"] for r in rows})
+    left.set_xticks(levels, [str(c) for c in levels])
+    left.legend()
+    auto = [r for r in rows if "auto" in r["config"]]
+    for config in dict.fromkeys(r["config"] for r in auto):
+        mine = [r for r in auto if r["config"] == config]
+        means = [
+            sum(b * n for b, n in r["control"]["budget_steps"].items())
+            / max(sum(r["control"]["budget_steps"].values()), 1)
+            for r in mine
+        ]
+        right.plot([r["concurrency"] for r in mine], means, marker="s", label=config)
+        for r, mean in zip(mine, means, strict=True):
+            top = max(r["control"]["budget_steps"].items(), key=lambda kv: kv[1], default=None)
+            if top:
+                right.annotate(f"mode {top[0]}", (r["concurrency"], mean), fontsize=7)
+    right.set(
+        xscale="log", xlabel="concurrency", ylabel="mean budget over decode steps",
+        title="budgets chosen by auto",
+    )  # fmt: skip
+    if auto:
+        right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=SMALL_PAIR_DIR / "target")
     parser.add_argument("--drafter", type=Path, default=SMALL_PAIR_DIR / "drafter")
-    parser.add_argument(
-        "--configs", nargs="+", default=["none", "ddtree:8", "ddtree:32", "ddtree:auto"]
-    )
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     parser.add_argument("--auto-max-budget", type=int, default=32, help="ddtree:auto's largest")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -124,64 +319,47 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     texts = heldout_prompts(args.prompts)
     prompts = [tokenizer.encode(t, add_special_tokens=False)[-args.prompt_tokens :] for t in texts]
     logs = Path(tempfile.mkdtemp(prefix="serve-throughput-"))
-    results: dict[str, list] = {}
-    for config in args.configs:
-        log = logs / f"{config.replace(':', '_')}.log"
-        print(f"[{config}] starting server (log: {log})", flush=True)
-        results[config] = measure(args, config, prompts, log)
-
-    reference = results.get("none")
-    rows = []
-    print(f"{'config':>12} {'conc':>4} {'tok/s':>9} {'x none':>7} {'tau':>6} {'mismatch':>8}")
-    for config, rounds in results.items():
-        for i, r in enumerate(rounds):
-            base = reference[i] if reference else None
-            ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None
-            mismatched = (
-                sum(a != b for a, b in zip(r["outputs"], base["outputs"], strict=True))
-                if base
-                else None
-            )
-            ratio_text = f"{ratio:.2f}x" if ratio else "-"
-            print(
-                f"{config:>12} {r['concurrency']:>4} {r['output_tokens_per_s']:>9.1f} "
-                f"{ratio_text:>7} {r['tau']:>6.2f} {mismatched if base else '-':>8}"
-            )
-            rows.append(
-                {k: v for k, v in r.items() if k != "outputs"}
-                | {"config": config, "speedup_vs_none": ratio, "mismatched_outputs": mismatched}
-            )
-    env = {
-        "device": args.device,
-        "machine": platform.processor() or platform.machine(),
+    print(f"server logs: {logs}", flush=True)
+    results = {
+        config: measure(args, config, prompts, logs / f"{config.replace(':', '_')}.log")
+        for config in args.configs
+    }
+    rows = table_rows(results)
+    env = environment(args.device, args.dtype) | {
         "target": str(args.target),
         "drafter": str(args.drafter),
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "attention_backend": args.attention_backend,
-        "dtype": args.dtype,
-        "command": " ".join(sys.argv),
-        "load_average_1_5_15min": os.getloadavg(),  # other work sharing the machine
+        "command": command_line("benchmarks/serve_throughput.py", argv),
     }
     try:
         import sglang
-        import torch
 
-        env |= {"sglang": sglang.__version__, "torch": torch.__version__}
+        env["sglang"] = sglang.__version__
     except ImportError:
         pass
+    record = {"env": env, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    table = markdown(rows, env)
+    args.out.with_suffix(".md").write_text(table)
+    plot(rows, args.out.with_suffix(".png"))
+    print(table)
+    print(f"wrote {args.out} (+ .md, .png)")
+    return record
 
 
 if __name__ == "__main__":

@@ -50,6 +50,20 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> o
         return json.loads(reply.read() or b"null")
 
 
+def ddtree_metrics(base_url: str) -> dict[str, float]:
+    """The server's ``sglang:ddtree_*`` metrics (``--enable-metrics``), complete up to now: a
+    one-token request first, whose prefill makes the worker publish every decode step so far."""
+    from sglang_tree_spec.plugin.metrics import read_ddtree_metrics
+
+    http_json(
+        f"{base_url}/generate",
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}},
+        timeout=600,
+    )
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=60) as reply:
+        return read_ddtree_metrics(reply.read().decode())
+
+
 def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:
     """Poll ``/health`` until the server answers; raise with the log if it dies or times out."""
     deadline = time.monotonic() + START_TIMEOUT_S

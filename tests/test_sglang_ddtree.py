@@ -5,7 +5,8 @@ The unmodified ``python -m sglang.launch_server`` (and ``sglang.Engine``) with
 served in float32): greedy output equals the no-speculation server token for token on 24
 held-out prompts, one request at a time and 8 at once, at tree budgets 8 and 32. Also:
 ``/v1/chat/completions``, seeded sampling, the accept length in the metadata and the log, a
-stream aborted mid-way, and the same equality with grafting on. The CPU pieces (tree-verify
+stream aborted mid-way, and the same equality with grafting on. Penalties, ``min_new_tokens``
+and ``return_logprob`` are tests/test_sglang_ddtree_params.py's. The CPU pieces (tree-verify
 attention, KV moves, slot writes) come from this package's hooks; nothing else is patched.
 """
 
@@ -29,7 +30,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
-from sglang_tree_spec.server_process import free_port, http_json, launch, stop, wait_until_healthy
+from sglang_tree_spec.server_process import (
+    ddtree_metrics,
+    free_port,
+    http_json,
+    launch,
+    stop,
+    wait_until_healthy,
+)
 from sglang_tree_spec.tree import counter_uniforms, target_probs
 
 PROMPT_COUNT = 24
@@ -225,22 +233,6 @@ def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context
     http_json(f"{ddtree_server.base_url}/health", timeout=30)
 
 
-def test_ddtree_refuses_penalties_it_cannot_apply_exactly(ddtree_server, prompts, baseline):
-    """A penalised request (or one asking for log-probs) ends at once with the reason (HTTP
-    400), not with another output; the server keeps serving."""
-    greedy = {"temperature": 0.0, "max_new_tokens": 8}
-    for extra, reason in (
-        ({"sampling_params": {**greedy, "frequency_penalty": 0.5}}, "frequency_penalty"),
-        ({"sampling_params": greedy, "return_logprob": True}, "return_logprob"),
-    ):
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            http_json(f"{ddtree_server.base_url}/generate", {"input_ids": prompts[0], **extra}, 120)
-        assert refused.value.code == 400
-        message = refused.value.read().decode()
-        assert f"DDTREE speculative decoding does not support {reason}" in message
-    assert ddtree_server.greedy(prompts[:2], 2) == baseline["sequential"][:2]
-
-
 def test_ddtree_refuses_hostile_requests_and_keeps_serving(ddtree_server, pair, prompts, baseline):
     """Issue 19 under DDTREE: an input id outside the vocabulary (or negative) killed the server;
     now every hostile request gets a 4xx, and a greedy request before, between and after them
@@ -363,6 +355,23 @@ def test_ddtree_under_kv_pressure_equals_no_speculation(pair, prompts, baseline,
     assert "Retract requests" in log.read_text()
 
 
+def assert_metrics_count_one_request(server: Server, prompt: list[int]) -> None:
+    """``--enable-metrics``: the DDTREE series count exactly one lone request's decode steps
+    (SGLang's own ``spec_verify_ct``) and its accepted draft tokens."""
+    before = ddtree_metrics(server.base_url)
+    reply = server.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    after = ddtree_metrics(server.base_url)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    steps = sum(v for k, v in delta.items() if k.startswith("steps_total{"))
+    verify_ct = reply["meta_info"]["spec_verify_ct"]
+    assert steps == verify_ct > 0
+    # every decode step commits its accepted drafts plus one; the last may overshoot the cap
+    drafted = reply["meta_info"]["completion_tokens"] - 1 - verify_ct
+    assert drafted <= delta["accepted_tokens_total"] <= drafted + 7  # the block's depth
+    assert delta["verified_requests_total"] > 0 and delta["predicted_accept_tokens_total"] > 0
+    assert after["budget"] in (0, 4, 8, 16, 32)
+
+
 @pytest.mark.parametrize("graft", ["none", "unified"])
 def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     graft, pair, prompts, baseline, seeded_outputs, offline_target, tmp_path_factory
@@ -372,8 +381,10 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     seeded sample equals the fixed budgets' and the target alone's."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
     command = [*server_command(pair, free_port(), 32, "auto"), "--speculative-ddtree-graft", graft]
+    command.append("--enable-metrics")
     for server in running_server(command, log):
         assert server.greedy(prompts, 8) == baseline["sequential"]
+        assert_metrics_count_one_request(server, prompts[2])
         assert server.greedy(prompts[:8], 1) == baseline["sequential"][:8]
         sampled = server.generate(prompts[1], **SEEDED)["output_ids"]
         for earlier in seeded_outputs.values():  # the fixed-budget servers of this module

@@ -122,6 +122,7 @@ class ControlStats:
         budget_counts: steps per chosen budget.
         depth_scale: per-depth calibration factors s_d.
         latency_mean_abs_rel_error: of predicted vs measured step times.
+        latency_steps: how many measured steps that error covers.
     """
 
     last_budget: int | None
@@ -131,6 +132,7 @@ class ControlStats:
     budget_counts: dict[int, int]
     depth_scale: list[float]
     latency_mean_abs_rel_error: float
+    latency_steps: int = 0
 
 
 class BudgetController:
@@ -290,4 +292,5 @@ class BudgetController:
             latency_mean_abs_rel_error=(
                 self.latency.mean_abs_rel_error() if self.latency is not None else 0.0
             ),
+            latency_steps=self.latency.recorded_steps if self.latency is not None else 0,
         )

@@ -294,3 +294,8 @@ class LatencyModel:
     def mean_abs_rel_error(self) -> float:
         """Mean |predicted - measured| / measured of every recorded step, before its update."""
         return self._abs_rel_err / max(self._err_count, 1)
+
+    @property
+    def recorded_steps(self) -> int:
+        """How many steps :meth:`mean_abs_rel_error` covers."""
+        return self._err_count

@@ -23,9 +23,14 @@ import torch
 
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
 from sglang_tree_spec.control.latency import device_spec, shape_of
+from sglang_tree_spec.graft import TablePartitions
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
+from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs_requested
+from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
+from sglang_tree_spec.plugin.metrics import DDTreeMetrics
+from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
@@ -51,6 +56,14 @@ def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
         all_greedy=False,
         all_seeded=all(seed is not None for seed in seeds),
     )
+
+
+def _metrics(server_args: Any, tp_rank: int) -> DDTreeMetrics | None:
+    """DDTREE's Prometheus series when SGLang exports metrics (``--enable-metrics``), on TP
+    rank 0 like SGLang's scheduler metrics."""
+    if not getattr(server_args, "enable_metrics", False) or tp_rank != 0:
+        return None
+    return DDTreeMetrics(str(server_args.served_model_name))
 
 
 def ddtree_worker_class() -> type:
@@ -100,16 +113,25 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
+            self.table_mode = str(getattr(server_args, "speculative_ddtree_table", "shared"))
+            self._table_owners = (
+                TablePartitions(self.config.table_partitions)
+                if self.table_mode != "shared" and self.config.graft != "none"
+                else None
+            )
             self._controller = None  # built on first use: the request pool comes later
             self._steps = 0
+            self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
+            self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
-                "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s, "
+                "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s%s, "
                 "LM head over %d vocabulary shard(s)",
                 self.config.method,
                 f"auto over {self.config.budgets}" if self.config.auto else self.config.budget,
                 self.block_size,
                 self.config.k,
                 self.config.graft,
+                self._table_line(),
                 self.tp_group.world_size,
             )
 
@@ -145,6 +167,11 @@ def _define_worker() -> type:
 
         def init_cuda_graphs(self) -> None:
             self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
+            # On CUDA SGLang has built the target's verify graphs by now (plugin/graphs.py,
+            # through its decode graph runner hook); on CPU only when asked (tests), the same
+            # runner replays its captured closures.
+            if self.device == "cpu" and cpu_verify_graphs_requested():
+                self.verify_graphs = DDTreeVerifyGraphs(self.target_worker.model_runner)
 
         def forward_batch_generation(
             self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, **kwargs: Any
@@ -152,8 +179,13 @@ def _define_worker() -> type:
             """Prefill and idle batches are DFlash's; decode batches run the tree step.
             (``kwargs``: later releases pass more, e.g. 0.5.23's ``pp_proxy_tensors``.)"""
             if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                if self.metrics is not None:  # the decode steps so far, before new requests
+                    self.metrics.publish(self.controller.stats())
+                self._bind_table(batch.reqs)
                 self._observe_prompts(batch.reqs)
                 self.controller.reset(batch.req_pool_indices.to(torch.int64))
+                if batch.return_logprob and compat.is_release("0.5.17"):
+                    return self._prefill(batch, on_publish)  # 0.5.17's refuses log-probs
                 return super().forward_batch_generation(
                     batch, on_publish, grammar_barrier, **kwargs
                 )
@@ -165,9 +197,43 @@ def _define_worker() -> type:
                 raise NotImplementedError("DDTREE: grammar-constrained decoding is not supported")
             return self._decode(batch, on_publish)
 
+        def _prefill(self, batch: Any, on_publish: Any) -> Any:
+            """DFlash's prefill with ``return_logprob`` (SGLang 0.5.17's DFlash worker refuses
+            it): the target's prefill forward samples the first token and computes its
+            log-probs and the prompt's, capturing the hidden states the drafter reads, which
+            are projected into the draft KV cache at the prompt's slots."""
+            from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+            out = self.target_worker.forward_batch_generation(
+                batch, capture_hidden_mode=CaptureHiddenMode.FULL
+            )
+            out.new_seq_lens = batch.seq_lens
+            if on_publish is not None:
+                on_publish(out.new_seq_lens)
+            device = out.next_token_ids.device
+            positions = torch.cat(
+                [
+                    torch.arange(start, start + length, device=device)
+                    for start, length in zip(batch.prefix_lens, batch.extend_lens, strict=True)
+                ]
+            )
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=out.logits_output.hidden_states,
+                cache_loc=batch.out_cache_loc,
+                positions=positions,
+            )
+            out.logits_output.hidden_states = None
+            out.next_draft_input = make_draft_input_v2(
+                bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens
+            )
+            return out
+
         def _decode(self, batch: Any, on_publish: Any) -> Any:
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
             backend = SGLangBackend(self, batch)
+            if any(penalised(req.sampling_params) for req in batch.reqs):
+                backend.penalties = partial(batch_penalties, batch.reqs)
+            self._bind_table(batch.reqs)
             result = decode_step(
                 backend,
                 self.selector,
@@ -184,6 +250,15 @@ def _define_worker() -> type:
             if on_publish is not None:
                 on_publish(new_seq_lens)
             out_tokens = result.committed_tokens.clamp_min(0)  # [bs, P]
+            if batch.return_logprob:
+                width = out_tokens.shape[1]
+                fill_decode_logprobs(
+                    batch,
+                    backend.logits_output,
+                    result.logits,
+                    result.accept.accepted_slots[:, :width],
+                    result.committed_tokens,
+                )
             return GenerationBatchResult(
                 logits_output=backend.logits_output,
                 next_token_ids=out_tokens.reshape(-1),
@@ -197,12 +272,17 @@ def _define_worker() -> type:
             )
 
         def _log_budgets(self) -> None:
-            """Every ``BUDGET_LOG_EVERY`` steps under auto: the chosen budgets and the
-            predicted vs observed accepted lengths (one device read)."""
+            """Every ``BUDGET_LOG_EVERY`` steps: the metrics, and under auto a log line with
+            the chosen budgets and the predicted vs observed accepted lengths (one device
+            read)."""
             self._steps += 1
-            if not self.config.auto or self._steps % BUDGET_LOG_EVERY:
+            if self._steps % BUDGET_LOG_EVERY or not (self.config.auto or self.metrics):
                 return
             stats = self.controller.stats()
+            if self.metrics is not None:
+                self.metrics.publish(stats)
+            if not self.config.auto:
+                return
             logger.info(
                 "DDTREE budgets over %d steps: %s, accept length predicted %.2f observed %.2f, "
                 "step time model error %.0f%%",
@@ -212,6 +292,27 @@ def _define_worker() -> type:
                 stats.mean_observed_accept,
                 100 * stats.latency_mean_abs_rel_error,
             )
+
+        def _table_line(self) -> str:
+            """How the graft table is shared, for the start-up line."""
+            if self.config.graft == "none":
+                return ""
+            if self._table_owners is None:
+                return ", table shared"
+            return f", table {self.table_mode} ({self._table_owners.count} partitions)"
+
+        def _bind_table(self, reqs: list[Any]) -> None:
+            """``--speculative-ddtree-table per-key`` / ``off``: bind each request of the batch
+            to its isolation key's partition of Graft's table (per-key: SGLang's prefix-cache
+            key, ``extra_key`` / ``cache_salt``; off: the request itself)."""
+            if self._table_owners is None:
+                return
+            if self.table_mode == "off":
+                keys = [req.rid for req in reqs]
+            else:
+                keys = [compat.isolation_key(req) for req in reqs]
+            partitions, reset = self._table_owners.assign(keys)
+            self.selector.bind(torch.tensor(partitions, dtype=torch.int64), reset)
 
         def _observe_prompts(self, reqs: list[Any]) -> None:
             """Show the selector the prompts being prefilled (Graft warms its table)."""

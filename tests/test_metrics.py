@@ -1,0 +1,42 @@
+"""DDTREE's Prometheus series: each publish adds only what is new since the last one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from sglang_tree_spec.control import ControlStats
+from sglang_tree_spec.plugin.metrics import DDTreeMetrics, read_ddtree_metrics
+
+
+def stats(last, pred, obs, count, budgets, err, timed) -> ControlStats:
+    return ControlStats(last, pred, obs, count, budgets, [], err, timed)
+
+
+def test_publish_exports_the_cumulative_stats_once():
+    registry = CollectorRegistry()
+    metrics = DDTreeMetrics("tiny", registry)
+    metrics.publish(stats(8, 2.0, 1.5, 10, {0: 3, 8: 7}, 0.1, 5))
+    metrics.publish(stats(8, 2.0, 1.5, 10, {0: 3, 8: 7}, 0.1, 5))  # nothing new
+    metrics.publish(stats(4, 2.5, 1.0, 20, {0: 3, 4: 2, 8: 9}, 0.2, 10))
+    page = generate_latest(registry).decode()
+    assert 'model_name="tiny"' in page
+    samples = read_ddtree_metrics(page)
+    assert samples["steps_total{budget=0}"] == 3
+    assert samples["steps_total{budget=4}"] == 2
+    assert samples["steps_total{budget=8}"] == 9
+    assert samples["budget"] == 4
+    assert samples["verified_requests_total"] == 20
+    assert samples["predicted_accept_tokens_total"] == 50.0  # mean 2.5 over 20 request-steps
+    assert samples["accepted_tokens_total"] == 20.0
+    assert samples["timed_steps_total"] == 10
+    assert abs(samples["step_time_abs_rel_error_total"] - 2.0) < 1e-9  # 0.2 over 10 steps
+
+
+def test_read_ddtree_metrics_ignores_sglangs_own_series():
+    page = (
+        'sglang:spec_accept_length{model_name="m"} 2.5\n'
+        "# HELP sglang:ddtree_steps_total DDTREE decode steps per tree budget\n"
+        'sglang:ddtree_steps_total{budget="16",model_name="m"} 4.0\n'
+        'sglang:ddtree_steps_created{budget="16",model_name="m"} 1.7e9\n'
+    )
+    assert read_ddtree_metrics(page) == {"steps_total{budget=16}": 4.0}
