@@ -135,6 +135,7 @@ class StepResult:
         committed_tokens: ``[bs, P]`` int64, -1 after ``commit_lens``.
         topk_logprobs: ``[bs, L, K]`` the drafter's top-K log-probs (None when not drafted).
         budget: the step's budget (0: a plain step).
+        logits: ``[bs, W, V]`` the verify logits the acceptance read (log-probs come from them).
     """
 
     tree: DraftTree
@@ -143,6 +144,7 @@ class StepResult:
     committed_tokens: torch.Tensor
     topk_logprobs: torch.Tensor | None
     budget: int
+    logits: torch.Tensor
 
 
 def decode_step(
@@ -208,7 +210,13 @@ def decode_step(
     timer.end_step(bs)
     controller.record_step(bs, budget, time.perf_counter() - start, drafted)
     return StepResult(
-        tree, accept, commit_lens, accept.committed_tokens[:, :path_width], topk_logprobs, budget
+        tree,
+        accept,
+        commit_lens,
+        accept.committed_tokens[:, :path_width],
+        topk_logprobs,
+        budget,
+        logits,
     )
 
 

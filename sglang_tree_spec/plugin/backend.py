@@ -18,6 +18,7 @@ back here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from sglang_tree_spec.tree import (
     vocab_parallel_topk,
     write_full_mask,
 )
+from sglang_tree_spec.tree.penalties import TreePenalties, penalize_tree_logits
 
 
 class SGLangBackend:
@@ -52,6 +54,8 @@ class SGLangBackend:
         self.can_run_cuda_graph = False
         self._window_locs: torch.Tensor | None = None  # [bs, W] KV slots of the window
         self._window_pos: torch.Tensor | None = None  # [bs, W] their positions
+        # The batch's penalty state for a vocabulary size (None: no request is penalised).
+        self.penalties: Callable[[int, torch.device], TreePenalties | None] | None = None
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         """``[bs, n]`` KV slots reserved at ``positions [bs, n]``."""
@@ -168,6 +172,16 @@ class SGLangBackend:
             bool(out.can_run_cuda_graph),
         )
         logits = self.logits_output.next_token_logits  # [bs * W, V]
+        state = None if self.penalties is None else self.penalties(logits.shape[-1], logits.device)
+        if state is not None:  # each slot by its own path, before the bias (SGLang's order)
+            penalize_tree_logits(
+                logits.view(bs, window, -1),
+                layout.tokens,
+                layout.ancestor_mask,
+                layout.positions - prefix_lens[:, None],
+                state,
+                int(worker.block_size) - 1,
+            )
         if batch.sampling_info is not None:
             apply_dflash_verify_logits_adjustments(
                 next_token_logits=logits,

@@ -258,20 +258,18 @@ def inexact_sampling_reason(params: Any) -> str | None:
 
 def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> str | None:
     """AROUND hook on ``speculative.dflash_utils.validate_dflash_request``: a DDTREE server
-    finishes a request it cannot decode exactly at once, with the reason (an HTTP 400), as
-    SGLang 0.5.17 does for ``return_logprob``; SGLang's own reasons name DDTREE instead of
-    DFLASH. (SGLang 0.5.23's DFLASH computes logprobs and no longer refuses them; the DDTREE
-    worker does not, so DDTREE still refuses ``return_logprob`` there.) Mirrored by
+    finishes a request it cannot decode exactly at once, with the reason (an HTTP 400);
+    SGLang's own reasons name DDTREE instead of DFLASH. ``return_logprob`` is served (the
+    DDTREE worker reads the committed tokens' log-probs from the verify logits), though SGLang
+    0.5.17's DFLASH refuses it. Mirrored by
     ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
     error = original(req, enable_overlap)
     if get_server_args().speculative_algorithm != ALGORITHM:
         return error
-    if error is not None:
+    if error is not None and not (req.return_logprob and "return_logprob" in error):
         return error.replace("DFLASH", ALGORITHM)
-    if req.return_logprob:
-        return f"{ALGORITHM} speculative decoding does not support return_logprob yet."
     return inexact_sampling_reason(req.sampling_params)
 
 
