@@ -161,16 +161,22 @@ class SGLangBackend:
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
-        out = worker.target_worker.forward_batch_generation(
-            batch=None,
-            forward_batch=forward_batch,
-            is_verify=True,
-            skip_attn_backend_init=True,
-        )
-        self.logits_output, self.can_run_cuda_graph = (
-            out.logits_output,
-            bool(out.can_run_cuda_graph),
-        )
+        graphs = worker.verify_graphs  # CPU closure replay (tests); on CUDA SGLang's runner
+        if graphs is not None and graphs.can_run_graph(forward_batch):
+            self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True
+        else:
+            if graphs is not None:
+                graphs.log_eager_verify(forward_batch)
+            out = worker.target_worker.forward_batch_generation(
+                batch=None,
+                forward_batch=forward_batch,
+                is_verify=True,
+                skip_attn_backend_init=True,
+            )
+            self.logits_output, self.can_run_cuda_graph = (
+                out.logits_output,
+                bool(out.can_run_cuda_graph),
+            )
         logits = self.logits_output.next_token_logits  # [bs * W, V]
         state = None if self.penalties is None else self.penalties(logits.shape[-1], logits.device)
         if state is not None:  # each slot by its own path, before the bias (SGLang's order)
@@ -189,6 +195,18 @@ class SGLangBackend:
                 draft_token_num=window,
             )
         return logits.view(bs, window, -1)
+
+    def _replay(self, graphs: Any, forward_batch: Any) -> Any:
+        """The verify forward replayed by the worker's own graph runner (what SGLang's model
+        runner does on CUDA: the verify under the target's forward context)."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        runner = self.worker.target_worker.model_runner
+        with (
+            torch.inference_mode(),
+            forward_context(ForwardContext(attn_backend=runner.attn_backend)),
+        ):
+            return graphs.execute(forward_batch)
 
     # --- keep ---------------------------------------------------------------------------
 

@@ -67,6 +67,16 @@ _COMMON_INTERNALS = (
     "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
     "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
     "sglang.srt.speculative.draft_worker_common.make_draft_input_v2",
+    # graphs.py (the DDTREE verify graph runner)
+    "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+    "sglang.srt.model_executor.forward_context.ForwardContext",
+    "sglang.srt.model_executor.forward_context.forward_context",
+    "sglang.srt.distributed.parallel_state.graph_capture",
+    "sglang.srt.layers.logits_processor.LogitsProcessorOutput",
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_cuda_graph_state",
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata_out_graph",
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata_in_graph",
 )
 
 INTERNALS: dict[str, tuple[str, ...]] = {
@@ -76,6 +86,9 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         # 0.5.23 resolves the configuration into per-namespace bags (server_args.py).
         "sglang.srt.runtime_context.get_spec",
         "sglang.srt.runtime_context.max_speculative_num_draft_tokens",
+        # 0.5.23 asks the decode graph runner class about gathers (graphs.py delegates).
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
+        "decode_graph_gather_requirements",
     ),
 }
 

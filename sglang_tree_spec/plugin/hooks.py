@@ -96,6 +96,12 @@ def _refuse_out_of_vocab_input_ids() -> Callable[..., None]:
     return refuse_out_of_vocab_input_ids
 
 
+def _ddtree_verify_graph_runner() -> Callable[..., type]:
+    from sglang_tree_spec.plugin.graphs import ddtree_decode_graph_runner_cls
+
+    return ddtree_decode_graph_runner_cls
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -213,6 +219,19 @@ HOOKS += (
     ),
 )
 
+# Both releases: the DDTREE target's decode graphs capture the tree mask, one shape per
+# (batch size, budget) (plugin/graphs.py); numbered 0021 to stay clear of work in progress.
+VERIFY_GRAPH_HOOK = Hook(
+    target="sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls",
+    kind="AROUND",
+    make=_ddtree_verify_graph_runner,
+    patch="0021-ddtree-verify-graph-runner.diff",
+    reason="the DFlash-family verify graph is captured without a custom mask (a replayed tree "
+    "verify would attend causally) and at one width; DDTREE's runner captures the tree mask "
+    "for every (batch size, budget)",
+)
+HOOKS += (VERIFY_GRAPH_HOOK,)
+
 _BY_PATCH = {hook.patch: hook for hook in HOOKS}
 
 # SGLang 0.5.23 (patches/sglang-0.5.23/): the same reasons, each read against 0.5.23's source.
@@ -240,6 +259,7 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0009-input-embeds-in-model-dtype.diff"],
     _BY_PATCH["0011-no-pynccl-for-gloo-groups.diff"],
     _BY_PATCH["0004-torch-native-target-verify.diff"],
+    VERIFY_GRAPH_HOOK,
 )
 
 HOOKS_BY_RELEASE: dict[str, tuple[Hook, ...]] = {"0.5.17": HOOKS, "0.5.23": HOOKS_0_5_23}

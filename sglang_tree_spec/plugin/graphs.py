@@ -1,0 +1,321 @@
+"""Target-verify graphs with the tree mask: one captured shape per (batch size, budget).
+
+SGLang 0.5.17 captures a DFlash-family target verify with ``custom_mask=None`` (its decode graph
+runner's ``get_spec_info``), so a replayed DDTREE verify would attend causally: wrong tokens.
+:class:`DDTreeVerifyGraphs` is the DDTREE target's decode graph runner instead, installed through
+SGLang's own extension point ``ModelRunner._decode_cuda_graph_runner_cls``
+(:func:`ddtree_decode_graph_runner_cls`, an AROUND hook). It keeps the interface the model
+runner and ``DFlashVerifyInput.prepare_for_verify`` call (``can_run_graph``, ``load_batch``,
+``execute``, ``bs``) and:
+
+* captures every batch size SGLang would capture times every budget the server can pick
+  (``TreeConfig.budgets``: each candidate under budget control, else the fixed budget), each
+  as a closure that reads only static buffers: input ids, positions, sequence lengths (device
+  and host), request rows, KV slots and the FULL_MASK tree mask, through one
+  ``ForwardBatch`` per shape whose verify input carries the static mask buffer;
+* at each step copies the step's inputs into those buffers (padding the batch up to the
+  captured size) and replays the shape: a ``torch.cuda.CUDAGraph`` on CUDA, the closure itself
+  on CPU, where nothing but the static buffers reaches it either.
+
+On CPU SGLang captures no decode graph; with ``SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS=1`` the DDTREE
+worker builds this runner itself (closure replay) and its verify runs through it, which is how
+CI checks the capture/replay discipline against eager verify on a real server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_GRAPHS_ENV = "SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS"
+"""Set to 1 on a CPU server: the DDTREE worker verifies through closure replay (tests)."""
+
+
+def cpu_verify_graphs_requested() -> bool:
+    return os.environ.get(CPU_GRAPHS_ENV, "0") == "1"
+
+
+def ddtree_decode_graph_runner_cls(original: Any, model_runner: Any) -> type:
+    """AROUND hook on ``ModelRunner._decode_cuda_graph_runner_cls``: the DDTREE target's decode
+    graphs are :class:`DDTreeVerifyGraphs` (tree mask captured); every other runner (the
+    drafter's, other algorithms') keeps SGLang's. Mirrored by
+    ``patches/sglang-<release>/0021-ddtree-verify-graph-runner.diff``."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from sglang_tree_spec.plugin.validation import ALGORITHM
+
+    if get_server_args().speculative_algorithm == ALGORITHM and not model_runner.is_draft_worker:
+        return DDTreeVerifyGraphs
+    return original(model_runner)
+
+
+class _Buffers:
+    """The static inputs of every captured shape (views of them, sliced per shape)."""
+
+    def __init__(self, max_bs: int, max_window: int, max_context: int, device: Any) -> None:
+        tokens = max_bs * max_window
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        self.seq_lens_cpu = torch.ones(max_bs, dtype=torch.int32)
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # FULL_MASK: W rows of (prefix + W) columns per request.
+        self.custom_mask = torch.ones(
+            max_bs * max_window * (max_context + max_window), dtype=torch.bool, device=device
+        )
+
+
+class DDTreeVerifyGraphs:
+    """The DDTREE target's verify graphs, one per (batch size, budget); see the module doc."""
+
+    SEQ_LEN_FILL = 1  # a padded request: one cached token (row 0, slot 0: SGLang's padding)
+
+    def __init__(
+        self,
+        model_runner: Any,
+        *,
+        batch_sizes: list[int] | None = None,
+        budgets: tuple[int, ...] | None = None,
+        replay: str | None = None,
+    ) -> None:
+        from sglang.srt.model_executor.runner.base_cuda_graph_runner import (
+            get_batch_sizes_to_capture,
+        )
+
+        from sglang_tree_spec.plugin import compat
+        from sglang_tree_spec.plugin.validation import tree_config
+
+        self.model_runner = model_runner
+        self.device = model_runner.device
+        self.attn_backend = model_runner.attn_backend
+        if budgets is None:
+            budgets = tree_config(compat.resolved(model_runner.server_args)).budgets
+        self.windows = sorted({int(b) + 1 for b in budgets})
+        if batch_sizes is None:
+            batch_sizes, _ = get_batch_sizes_to_capture(model_runner, self.windows[-1])
+        self.capture_bs = sorted(set(batch_sizes))
+        self.max_bs = self.capture_bs[-1]
+        self.replay_mode = replay or (
+            "cuda" if torch.device(self.device).type == "cuda" else "closure"
+        )
+        self.max_context = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+        self.buffers = _Buffers(self.max_bs, self.windows[-1], self.max_context, self.device)
+        self.bs = self.max_bs  # the padded batch size of the last load (SGLang reads it)
+        self._batches: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._outputs: dict[tuple[int, int], Any] = {}
+        self._loaded: tuple[Any, tuple[int, int], int] | None = None
+        self.replays: dict[tuple[int, int], int] = {}
+        self.eager_shapes: set[tuple[int, int]] = set()
+        if self.replay_mode == "cuda":
+            self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.windows[-1])
+        self.capture()
+
+    # --- SGLang 0.5.23 asks the runner class about gathers before building it -----------------
+
+    @staticmethod
+    def decode_graph_gather_requirements(model_runner: Any) -> tuple[bool, bool]:
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+            DecodeCudaGraphRunner,
+        )
+
+        return DecodeCudaGraphRunner.decode_graph_gather_requirements(model_runner)
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def _static_batch(self, bs: int, window: int) -> Any:
+        """The ForwardBatch of shape (bs, window): every tensor a view of the static buffers,
+        its verify input carrying the static tree-mask buffer."""
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardBatch,
+            ForwardMode,
+        )
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        buf, tokens = self.buffers, bs * window
+        spec_info = DFlashVerifyInput(
+            draft_token=None,
+            positions=None,
+            draft_token_num=window,
+            custom_mask=buf.custom_mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=buf.input_ids[:tokens],
+            req_pool_indices=buf.req_pool_indices[:bs],
+            seq_lens=buf.seq_lens[:bs],
+            seq_lens_cpu=buf.seq_lens_cpu[:bs],
+            orig_seq_lens=buf.seq_lens[:bs],
+            out_cache_loc=buf.out_cache_loc[:tokens],
+            seq_lens_sum=int(buf.seq_lens_cpu[:bs].sum()),
+            return_logprob=False,
+            positions=buf.positions[:tokens],
+            spec_algorithm=self.model_runner.spec_algorithm,
+            spec_info=spec_info,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            global_forward_mode=ForwardMode.TARGET_VERIFY,
+        )
+
+    def _closure(self, forward_batch: Any) -> Any:
+        """The captured computation of one shape: reads ``forward_batch``'s static views only."""
+        model, backend = self.model_runner.model, self.attn_backend
+
+        def run() -> Any:
+            backend.init_forward_metadata_in_graph(forward_batch)
+            return model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+        return run
+
+    def capture(self) -> None:
+        """Capture every (batch size, window), largest first (smaller graphs share its pool)."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        self._seed_capture_inputs()
+        pool, capture_context = None, None
+        if self.replay_mode == "cuda":
+            from sglang.srt.distributed.parallel_state import graph_capture
+
+            pool = torch.cuda.graph_pool_handle()
+            capture_context = graph_capture()
+        stream_context = capture_context if capture_context is not None else _null()
+        with stream_context as ctx, forward_context(ForwardContext(attn_backend=self.attn_backend)):
+            for bs in reversed(self.capture_bs):
+                for window in reversed(self.windows):
+                    key = (bs, window)
+                    forward_batch = self._static_batch(bs, window)
+                    self._batches[key] = forward_batch
+                    self.attn_backend.init_forward_metadata_out_graph(
+                        forward_batch, in_capture=True
+                    )
+                    run = self._closure(forward_batch)
+                    if self.replay_mode != "cuda":
+                        self._graphs[key] = run
+                        continue
+                    with torch.inference_mode():
+                        for _ in range(2):  # warm up (kernel autotune, lazy inits)
+                            run()
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=ctx.stream):
+                            self._outputs[key] = run()
+                    self._graphs[key] = graph
+        logger.info(
+            "DDTREE verify graphs (%s): batch sizes %s x budgets %s",
+            "CUDA graphs" if self.replay_mode == "cuda" else "closure replay",
+            self.capture_bs,
+            [w - 1 for w in self.windows],
+        )
+
+    def _seed_capture_inputs(self) -> None:
+        """Capture reads real forwards: point every row at the padding row and slot."""
+        buf = self.buffers
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        buf.out_cache_loc.zero_()
+        buf.req_pool_indices.zero_()
+        buf.seq_lens.fill_(self.SEQ_LEN_FILL)
+        buf.seq_lens_cpu.fill_(self.SEQ_LEN_FILL)
+        buf.custom_mask.fill_(True)
+
+    # --- replay -----------------------------------------------------------------------------
+
+    def _padded_bs(self, bs: int) -> int | None:
+        return next((size for size in self.capture_bs if size >= bs), None)
+
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        """A tree verify (mask given) of a captured budget, at most the largest captured batch,
+        whose mask fits the static buffer."""
+        spec_info = forward_batch.spec_info
+        if not forward_batch.forward_mode.is_target_verify() or spec_info is None:
+            return False
+        if getattr(spec_info, "custom_mask", None) is None:
+            return False
+        window = int(spec_info.draft_token_num)
+        bs = forward_batch.batch_size
+        if window not in self.windows or self._padded_bs(bs) is None:
+            return False
+        if forward_batch.seq_lens_cpu is None:
+            return False
+        return int(spec_info.custom_mask.numel()) <= self.buffers.custom_mask.numel() - (
+            (self.max_bs - bs) * window * (self.SEQ_LEN_FILL + window)
+        )
+
+    def log_eager_verify(self, forward_batch: Any) -> None:
+        """Log (once per shape) a verify this runner could not serve, which runs eagerly."""
+        shape = (forward_batch.batch_size, int(forward_batch.spec_info.draft_token_num) - 1)
+        if shape not in self.eager_shapes:
+            self.eager_shapes.add(shape)
+            logger.info("DDTREE verify ran eagerly: batch size %d, budget %d", *shape)
+
+    def load_batch(self, forward_batch: Any, pp_proxy_tensors: Any = None) -> None:
+        """Copy the step's inputs into the static buffers of its padded shape."""
+        buf = self.buffers
+        raw_bs = forward_batch.batch_size
+        window = int(forward_batch.spec_info.draft_token_num)
+        bs = self._padded_bs(raw_bs)
+        raw_tokens, tokens = raw_bs * window, bs * window
+        buf.input_ids[:raw_tokens].copy_(forward_batch.input_ids)
+        buf.positions[:raw_tokens].copy_(forward_batch.positions)
+        buf.out_cache_loc[:raw_tokens].copy_(forward_batch.out_cache_loc)
+        buf.seq_lens[:raw_bs].copy_(forward_batch.seq_lens)
+        buf.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+        buf.req_pool_indices[:raw_bs].copy_(forward_batch.req_pool_indices)
+        mask = forward_batch.spec_info.custom_mask
+        buf.custom_mask[: mask.numel()].copy_(mask)
+        if bs > raw_bs:  # padded requests: padding row and slot, one token, mask all True
+            buf.input_ids[raw_tokens:tokens].zero_()
+            buf.positions[raw_tokens:tokens].zero_()
+            buf.out_cache_loc[raw_tokens:tokens].zero_()
+            buf.seq_lens[raw_bs:bs].fill_(self.SEQ_LEN_FILL)
+            buf.seq_lens_cpu[raw_bs:bs].fill_(self.SEQ_LEN_FILL)
+            buf.req_pool_indices[raw_bs:bs].zero_()
+            pad = (bs - raw_bs) * window * (self.SEQ_LEN_FILL + window)
+            buf.custom_mask[mask.numel() : mask.numel() + pad].fill_(True)
+        key = (bs, window)
+        static = self._batches[key]
+        static.seq_lens_sum = int(buf.seq_lens_cpu[:bs].sum())
+        if self.replay_mode == "cuda":
+            self.attn_backend.init_forward_metadata_out_graph(static)
+        self.bs = bs
+        self._loaded = (forward_batch, key, raw_tokens)
+
+    def execute(self, forward_batch: Any, pp_proxy_tensors: Any = None) -> Any:
+        """Replay the step's shape over the static buffers; outputs of the real rows."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        if self._loaded is None or self._loaded[0] is not forward_batch:
+            self.load_batch(forward_batch)
+        _, key, raw_tokens = self._loaded
+        self._loaded = None
+        if key not in self.replays:
+            logger.info(
+                "DDTREE verify graph replayed: batch size %d, budget %d", key[0], key[1] - 1
+            )
+        self.replays[key] = self.replays.get(key, 0) + 1
+        if self.replay_mode == "cuda":
+            self._graphs[key].replay()
+            output = self._outputs[key]
+        else:
+            output = self._graphs[key]()
+        hidden = output.hidden_states
+        return LogitsProcessorOutput(
+            next_token_logits=output.next_token_logits[:raw_tokens],
+            hidden_states=hidden[:raw_tokens] if hidden is not None else None,
+        )
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

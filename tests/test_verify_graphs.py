@@ -1,0 +1,99 @@
+"""DDTREE's target-verify graph runner (``plugin/graphs.py``) on a real CPU server.
+
+With ``SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS=1`` the DDTREE worker builds the runner SGLang builds
+on CUDA (its decode graph runner hook) and every tree verify of a captured shape is served by
+replaying the captured closure over the runner's static buffers: the step's inputs (ids,
+positions, sequence lengths, request rows, KV slots, the tree mask) are copied into them and
+nothing else reaches the closure. Captured: batch sizes 1 and 2 times budgets 4 and 8 (budget
+control picks among them every step). Greedy output must equal SGLang without speculation, one
+request at a time and two at once, and every one of the four shapes must have been replayed.
+
+A mask or position left in a fresh tensor instead of the static buffer makes the replay read the
+previous step's (or the capture's) values: the outputs then differ (see the runner's note).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_sglang_ddtree import (
+    NEW_TOKENS,
+    PROMPT_TOKENS,
+    float32_copy,
+    running_server,
+    server_command,
+)
+from transformers import AutoTokenizer
+
+from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin.graphs import CPU_GRAPHS_ENV
+from sglang_tree_spec.server_process import free_port
+
+PROMPTS = 6
+BUDGETS = (4, 8)
+BATCH_SIZES = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pair-fp32")
+    return {
+        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target"),
+        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(pair: dict[str, Path]) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
+    texts = heldout_prompts(PROMPTS)
+    return [tokenizer.encode(text, add_special_tokens=False)[-PROMPT_TOKENS:] for text in texts]
+
+
+def command(pair: dict[str, Path], budget: int | None) -> list[str]:
+    cmd = server_command(pair, free_port(), budget, "auto" if budget else None)
+    cmd[cmd.index("--max-running-requests") + 1] = str(max(BATCH_SIZES))
+    if budget:
+        cmd += ["--speculative-ddtree-candidates", ",".join(map(str, BUDGETS))]
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def baseline(pair, prompts, tmp_path_factory) -> list[list[int]]:
+    log = tmp_path_factory.mktemp("baseline") / "server.log"
+    for server in running_server(command(pair, None), log):
+        return server.greedy(prompts, 1)
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def replayed(pair, prompts, baseline, tmp_path_factory) -> Iterator[dict]:
+    """The DDTREE server's greedy outputs (one at a time, two at once) and its log."""
+    log = tmp_path_factory.mktemp("graphs") / "server.log"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CPU_GRAPHS_ENV, "1")
+        for server in running_server(command(pair, max(BUDGETS)), log):
+            yield {
+                "sequential": server.greedy(prompts, 1),
+                "concurrent": server.greedy(prompts, 2),
+                "log": log.read_text(),
+            }
+
+
+def test_replayed_verify_equals_no_speculation(replayed, baseline):
+    assert replayed["sequential"] == baseline
+    assert replayed["concurrent"] == baseline
+
+
+def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
+    log = replayed["log"]
+    captured = re.search(r"DDTREE verify graphs \(closure replay\): batch sizes (\[[^]]*\])", log)
+    assert captured, "the worker built no verify graph runner"
+    assert all(str(bs) in captured.group(1) for bs in BATCH_SIZES)
+    shapes = set(re.findall(r"DDTREE verify graph replayed: batch size (\d+), budget (\d+)", log))
+    assert shapes == {(str(bs), str(b)) for bs in BATCH_SIZES for b in BUDGETS}, shapes
+    assert "DDTREE verify ran eagerly" not in log  # every step was a replay
+    assert NEW_TOKENS > 1
