@@ -165,3 +165,20 @@ def test_a_worker_missing_a_private_member_is_refused_in_one_line():
     del complete._mask_token_id
     with pytest.raises(UnsupportedSGLang, match=r"^DDTREE: SGLang .* no _mask_token_id, which"):
         check_worker_attributes(complete)
+
+
+def test_a_real_req_has_the_attributes_the_worker_reads():
+    """The scheduler's ``Req`` of the installed release carries every declared attribute, and
+    its prefix-cache key (``extra_key``, and ``cache_salt`` where SGLang keeps it apart) is the
+    isolation key of ``--speculative-ddtree-table per-key``; an empty key is no key."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    salted = {"cache_salt": "tenant-b"} if "cache_salt" in compat.ISOLATION_KEY[INSTALLED] else {}
+    req = Req("rid-1", "", [1, 2, 3], SamplingParams(), extra_key="tenant-a", **salted)
+    for name in (*compat.REQ_ATTRIBUTES, *compat.ISOLATION_KEY[INSTALLED]):
+        assert hasattr(req, name), name
+    assert compat.isolation_key(req) == ("tenant-a", *salted.values())
+    plain = Req("rid-2", "", [1, 2, 3], SamplingParams(), extra_key="")
+    assert compat.isolation_key(plain) == (None,) * len(compat.ISOLATION_KEY[INSTALLED])
+    assert compat.isolation_key(plain) != compat.isolation_key(req)

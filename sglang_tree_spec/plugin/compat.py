@@ -106,6 +106,18 @@ WORKER_ATTRIBUTES = (
     "model_runner",
 )
 
+# Attributes of SGLang's scheduler ``Req`` the DDTREE worker reads (checked on a real Req by
+# tests/test_compat.py).
+REQ_ATTRIBUTES = ("rid", "origin_input_ids", "sampling_params", "extra_key")
+
+# The Req attributes SGLang separates prefix caches by, per release: the isolation key of
+# ``--speculative-ddtree-table per-key``. 0.5.17 folds the OpenAI ``cache_salt`` (and a LoRA
+# id) into ``extra_key``; 0.5.23 keeps ``cache_salt`` apart (its radix key holds both).
+ISOLATION_KEY: dict[str, tuple[str, ...]] = {
+    "0.5.17": ("extra_key",),
+    "0.5.23": ("extra_key", "cache_salt"),
+}
+
 MOVED: dict[str, dict[str, str]] = {
     # 0.5.23 moved the tree-verify kernels to sglang.kernels (eagle_utils re-exports them).
     "verify_tree_greedy_func": {
@@ -226,6 +238,12 @@ def check_worker_attributes(worker: Any) -> None:
             f"SGLang {installed_version()}'s DFlashWorkerV2 has no {', '.join(missing)}, which "
             "the DDTREE worker needs"
         )
+
+
+def isolation_key(req: Any) -> tuple[str | None, ...]:
+    """The key SGLang separates ``req``'s prefix cache by (:data:`ISOLATION_KEY`); an empty
+    string is no key, as in SGLang."""
+    return tuple(getattr(req, name) or None for name in ISOLATION_KEY[check_release()])
 
 
 def moved(name: str) -> Any:

@@ -16,7 +16,12 @@ from typing import Any
 from sglang.srt import server_args as sglang_server_args
 from sglang.srt.arg_groups.arg_utils import NS, A, Arg
 
-from sglang_tree_spec.plugin.validation import ALGORITHM, GRAFT_CHOICES
+from sglang_tree_spec.plugin.validation import (
+    ALGORITHM,
+    DEFAULT_TABLE_PARTITIONS,
+    GRAFT_CHOICES,
+    TABLE_CHOICES,
+)
 
 TOPK_HELP = (
     "DDTREE only. Cap on the draft top-K per depth the tree is built from. Default: the tree "
@@ -30,6 +35,25 @@ GRAFT_HELP = (
     "best-first over drafted and retrieved tokens at the same budget; 'stage' is Graft's "
     "prune-then-graft rule (uncalibrated default thresholds). Outputs are unchanged. "
     "Default: 'none'."
+)
+
+TABLE_HELP = (
+    "DDTREE only, with --speculative-ddtree-graft. Who shares the successor table (and the "
+    "learnt edge acceptance) grafting reads: 'shared' (default): every request, so a "
+    "request's acceptance length (its latency) can show that another tenant's requests "
+    "produced its text recently; 'per-key': only requests with the same extra_key (the "
+    "OpenAI API's cache_salt, the key SGLang separates prefix caches by; requests without "
+    "one share one partition); 'off': no two requests, each reads only what its own prompt "
+    "and verify steps wrote. Isolated keys get partitions of the table "
+    "(--speculative-ddtree-table-partitions); outputs are unchanged in every mode."
+)
+
+TABLE_PARTITIONS_HELP = (
+    "DDTREE only, with --speculative-ddtree-table per-key or off. Partitions of the successor "
+    "table, each the size of a shared table (vocabulary x 8 x 4 bytes), one per isolation key "
+    "at a time: a new key takes the least recently used partition not in the running batch, "
+    "cleared first; a key that finds none grafts from an empty table until one frees up. "
+    f"Default: {DEFAULT_TABLE_PARTITIONS}."
 )
 
 
@@ -60,6 +84,12 @@ if dataclasses.is_dataclass(_SGLangServerArgs):  # SGLang 0.5.17
         speculative_ddtree_graft: A[
             str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
         ] = "none"
+        speculative_ddtree_table: A[
+            str, Arg(help=TABLE_HELP, choices=list(TABLE_CHOICES)), NS("spec")
+        ] = "shared"
+        speculative_ddtree_table_partitions: A[
+            int | None, Arg(help=TABLE_PARTITIONS_HELP), NS("spec")
+        ] = None
         speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
         speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
 
@@ -92,6 +122,12 @@ else:  # SGLang 0.5.23: a msgspec Struct assembled from per-namespace field clas
         speculative_ddtree_graft: A[
             str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
         ] = "none"
+        speculative_ddtree_table: A[
+            str, Arg(help=TABLE_HELP, choices=list(TABLE_CHOICES)), NS("spec")
+        ] = "shared"
+        speculative_ddtree_table_partitions: A[
+            int | None, Arg(help=TABLE_PARTITIONS_HELP), NS("spec")
+        ] = None
         speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
         speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
 

@@ -46,6 +46,11 @@ TREE_MASK_CUDA_GRAPHS = False
 
 
 GRAFT_CHOICES = GRAFT_POLICIES  # --speculative-ddtree-graft
+# --speculative-ddtree-table: who shares Graft's successor table. "shared": every request;
+# "per-key": requests of one SGLang extra_key (OpenAI cache_salt) only; "off": no two requests.
+TABLE_CHOICES = ("shared", "per-key", "off")
+DEFAULT_TABLE_PARTITIONS = 8  # --speculative-ddtree-table-partitions (per-key and off)
+MAX_TABLE_PARTITIONS = 4096
 
 
 class DDTreeConfigError(ValueError):
@@ -66,6 +71,10 @@ def validate_server_args(server_args: Any) -> None:
     check_budget(server_args.speculative_num_draft_tokens)
     check_topk(getattr(server_args, "speculative_ddtree_topk", None))
     check_graft(getattr(server_args, "speculative_ddtree_graft", "none"))
+    check_table(
+        getattr(server_args, "speculative_ddtree_table", "shared"),
+        getattr(server_args, "speculative_ddtree_table_partitions", None),
+    )
     tree_config(server_args)  # budget mode and candidates against the largest budget
     view = _resolved(server_args)
     check_device(view.device)
@@ -117,6 +126,7 @@ def tree_config(server_args: Any) -> TreeConfig:
             budget=largest if mode == "auto" else int(mode),
             topk=getattr(server_args, "speculative_ddtree_topk", None),
             graft=getattr(server_args, "speculative_ddtree_graft", "none"),
+            table_partitions=table_partitions(server_args),
             auto=mode == "auto",
             candidates=tuple(int(c) for c in candidates.split(",")) if candidates else None,
         )
@@ -136,6 +146,29 @@ def check_graft(graft: str) -> None:
         raise DDTreeConfigError(
             f"--speculative-ddtree-graft must be one of {', '.join(GRAFT_CHOICES)}, got {graft!r}"
         )
+
+
+def check_table(mode: str, partitions: int | None) -> None:
+    """``--speculative-ddtree-table`` names an isolation mode, and
+    ``--speculative-ddtree-table-partitions`` is a count in ``[1, MAX_TABLE_PARTITIONS]``."""
+    if mode not in TABLE_CHOICES:
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-table must be one of {', '.join(TABLE_CHOICES)}, got {mode!r}"
+        )
+    if partitions is not None and not 1 <= int(partitions) <= MAX_TABLE_PARTITIONS:
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-table-partitions must be in [1, {MAX_TABLE_PARTITIONS}], "
+            f"got {partitions}"
+        )
+
+
+def table_partitions(server_args: Any) -> int:
+    """Partitions of Graft's table: 1 when it is shared, else
+    ``--speculative-ddtree-table-partitions`` (default :data:`DEFAULT_TABLE_PARTITIONS`)."""
+    if getattr(server_args, "speculative_ddtree_table", "shared") == "shared":
+        return 1
+    partitions = getattr(server_args, "speculative_ddtree_table_partitions", None)
+    return DEFAULT_TABLE_PARTITIONS if partitions is None else int(partitions)
 
 
 def check_device(device: str) -> None:
