@@ -238,6 +238,13 @@ def test_ddtree_flag_is_parsed_and_documented(sglang_plugins, models):
     assert grafted.speculative_ddtree_graft == "unified"
     with pytest.raises(SystemExit):  # argparse refuses a method the worker does not serve
         parser.parse_args([*argv, "--speculative-ddtree-graft", "retrieval"])
+    assert "--speculative-ddtree-table" in parser.format_help()
+    assert args.speculative_ddtree_table == "shared"
+    isolated = sa.ServerArgs.from_cli_args(
+        parser.parse_args([*argv, "--speculative-ddtree-table", "per-key"])
+    )
+    assert isolated.speculative_ddtree_table == "per-key"
+    assert isolated.speculative_ddtree_table_partitions is None  # the validator's default: 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +265,16 @@ BAD_CONFIGS = [
         "graft-unknown",
         {"speculative_ddtree_graft": "retrieval"},
         r"--speculative-ddtree-graft must be one of none, stage, unified, got 'retrieval'",
+    ),
+    (
+        "table-unknown",
+        {"speculative_ddtree_table": "per-tenant"},
+        r"--speculative-ddtree-table must be one of shared, per-key, off, got 'per-tenant'",
+    ),
+    (
+        "table-partitions-0",
+        {"speculative_ddtree_table": "per-key", "speculative_ddtree_table_partitions": 0},
+        r"--speculative-ddtree-table-partitions must be in \[1, 4096\], got 0",
     ),
     (
         "budget-above-largest",
