@@ -16,9 +16,9 @@
 # needs Python >= 3.11 with torch 2.11.0 (CUDA), triton, transformers, numpy and setuptools, as
 # gpu-wheelhouse.sh assumes; PYTHON picks the interpreter (default python3).
 #
-# Without a GPU only --dry-run runs (CI runs it: tests/test_gpu_validate.py). Until the DDTREE
-# verify capture carries the tree mask, DDTREE runs without CUDA graphs on GPU and the plan
-# says so; the no-speculation and DFLASH rows keep theirs.
+# Without a GPU only --dry-run runs (CI runs it: tests/test_gpu_validate.py). DDTREE keeps CUDA
+# graphs on GPU (its verify graphs carry the tree mask, one per batch size and budget) and the
+# plan says so; the exactness step checks the servers' logs for the capture and the replays.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}

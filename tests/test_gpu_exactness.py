@@ -209,5 +209,8 @@ def test_ddtree_cuda_graphs_are_what_the_plugin_says(ddtree):
     if TREE_MASK_CUDA_GRAPHS:
         assert GRAPHS_OFF_LINE not in ddtree["log"]
         assert GRAPH_CAPTURED.search(ddtree["log"]), "DDTREE captured no CUDA graph"
+        # The DDTREE runner (plugin/graphs.py) captured the tree-mask verify and replayed it.
+        assert "DDTREE verify graphs (CUDA graphs)" in ddtree["log"]
+        assert "DDTREE verify graph replayed" in ddtree["log"]
     else:
         assert GRAPHS_OFF_LINE in ddtree["log"]

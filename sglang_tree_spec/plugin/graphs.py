@@ -193,8 +193,8 @@ class DDTreeVerifyGraphs:
                     key = (bs, window)
                     forward_batch = self._static_batch(bs, window)
                     self._batches[key] = forward_batch
-                    self.attn_backend.init_forward_metadata_out_graph(
-                        forward_batch, in_capture=True
+                    self._metadata_out_of_graph(
+                        forward_batch, bs * window * (self.SEQ_LEN_FILL + window), True
                     )
                     run = self._closure(forward_batch)
                     if self.replay_mode != "cuda":
@@ -225,6 +225,17 @@ class DDTreeVerifyGraphs:
         buf.seq_lens.fill_(self.SEQ_LEN_FILL)
         buf.seq_lens_cpu.fill_(self.SEQ_LEN_FILL)
         buf.custom_mask.fill_(True)
+
+    def _metadata_out_of_graph(self, forward_batch: Any, used: int, in_capture: bool) -> None:
+        """The backend's out-of-graph metadata for a shape; it copies the mask into its own
+        captured buffer (triton's ``_verify_mask``, flashinfer's ``plan``), so it is shown the
+        ``used`` entries of the static mask only (its buffer may be sized for fewer columns)."""
+        spec_info = forward_batch.spec_info
+        spec_info.custom_mask = self.buffers.custom_mask[:used]
+        try:
+            self.attn_backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        finally:
+            spec_info.custom_mask = self.buffers.custom_mask
 
     # --- replay -----------------------------------------------------------------------------
 
@@ -284,7 +295,8 @@ class DDTreeVerifyGraphs:
         static = self._batches[key]
         static.seq_lens_sum = int(buf.seq_lens_cpu[:bs].sum())
         if self.replay_mode == "cuda":
-            self.attn_backend.init_forward_metadata_out_graph(static)
+            used = mask.numel() + (bs - raw_bs) * window * (self.SEQ_LEN_FILL + window)
+            self._metadata_out_of_graph(static, used, False)
         self.bs = bs
         self._loaded = (forward_batch, key, raw_tokens)
 

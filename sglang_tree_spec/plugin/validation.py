@@ -40,9 +40,10 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
 }
 INTERPRETED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("triton",)}
 SUPPORTED_PAGE_SIZES = (1,)
-# Whether DDTREE keeps CUDA graphs on a GPU: not until the target-verify capture carries the tree
-# mask (issue 17); launch/gpu-validate.sh states it in its plan and checks the servers' logs.
-TREE_MASK_CUDA_GRAPHS = False
+# Whether DDTREE keeps CUDA graphs on a GPU: its target-verify graphs carry the tree mask, one per
+# (batch size, budget) (plugin/graphs.py; --disable-cuda-graph turns them off as for any server);
+# launch/gpu-validate.sh states it in its plan and checks the servers' logs.
+TREE_MASK_CUDA_GRAPHS = True
 
 
 GRAFT_CHOICES = GRAFT_POLICIES  # --speculative-ddtree-graft
@@ -372,15 +373,6 @@ def apply_defaults(server_args: Any) -> None:
             drafter.block_size,
             drafter.block_size - 1,
         )
-    if (
-        not TREE_MASK_CUDA_GRAPHS
-        and not server_args.disable_cuda_graph
-        and server_args.device != "cpu"
-    ):
-        # SGLang 0.5.17 captures the DFlash-family verify graph without a custom mask, so a
-        # replay would verify the tree causally: wrong tokens. Until the capture honours it:
-        server_args.disable_cuda_graph = True
-        logger.warning("%s: CUDA graphs disabled (no tree-mask capture yet)", ALGORITHM)
     if (
         server_args.device == "cpu"
         and server_args.speculative_draft_attention_backend is None
