@@ -9,7 +9,8 @@ machine hits them alike:
   (``output_hidden_states``), full-vocabulary cross-entropy;
 * ``cache``     -- features read from the on-disk feature cache, full-vocabulary loss;
 * ``shortlist`` -- cached features and the shortlist loss (labels + cached target top-k +
-  ``--negatives`` sampled negatives).
+  ``--negatives`` sampled negatives);
+* ``shortlist_wide`` -- the same with ``--wide-negatives`` negatives.
 
 A step is everything the training loop does per step: sample the batch (and read the cache),
 forward, loss, backward, clip, AdamW. The cache build (one target forward per record, once) is
@@ -18,8 +19,9 @@ tokens of Python standard-library source tokenised by the target, loss mask on t
 (the shape of the regenerated training records: prompt <= 384, response <= 96).
 
 Gradient fidelity: on the same cached batches, the cosine between the drafter-parameter
-gradient of the full loss and that of the shortlist loss, for a random-init drafter and for
-``--drafter`` (the shipped trained one).
+gradient of the full loss and that of the shortlist loss (both negative counts), for a
+random-init drafter and for ``--drafter`` (the shipped trained one); for scale, the cosine
+between the full gradients of two different batches (the minibatch noise itself).
 
     OMP_NUM_THREADS=1 python benchmarks/train_step_cost.py \\
         --target ~/.cache/sglang-tree-spec/models/smollm2-135m-instruct --threads 1
@@ -37,13 +39,14 @@ from pathlib import Path
 
 import torch
 from common import RESULTS, command_line, environment
+from torch.nn.functional import cosine_similarity as cosine
 from transformers import AutoTokenizer
 
 from sglang_tree_spec.drafters.dflash import DFlashDrafter
 from sglang_tree_spec.models import train_dflash as recipe
 from sglang_tree_spec.models.feature_cache import build_feature_cache
 
-MODES = ("today", "cache", "shortlist")
+MODES = ("today", "cache", "shortlist", "shortlist_wide")
 
 
 def make_records(target: str, count: int, prompt: int, response: int) -> list[dict]:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=384)
     parser.add_argument("--response-tokens", type=int, default=96)
     parser.add_argument("--negatives", type=int, default=2048)
+    parser.add_argument("--wide-negatives", type=int, default=8192)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--grad-batches", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "train_step_cost_cpu.json")
@@ -127,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                 cache_topk=args.topk,
                 **base,
             ),
+            "shortlist_wide": recipe.TrainConfig(
+                out_dir=tmp,
+                feature_cache=f"{tmp}/cache",
+                shortlist_negatives=args.wide_negatives,
+                cache_topk=args.topk,
+                **base,
+            ),
         }
         target = recipe.load_target(args.target, torch.device("cpu"))
         sequences = recipe.load_sequences(configs["today"])
@@ -144,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{tmp}/cache", sequences, target, args.target, layer_ids, topk=args.topk
         )
         build_s = time.perf_counter() - began
-        caches = {"today": None, "cache": cache, "shortlist": cache}
+        caches = {mode: None if mode == "today" else cache for mode in MODES}
 
         times: dict[str, list[float]] = {m: [] for m in MODES}
         losses: dict[str, list[float]] = {m: [] for m in MODES}
         for step in range(args.warmup + args.steps):
-            order = MODES[step % 3 :] + MODES[: step % 3]
+            order = MODES[step % len(MODES) :] + MODES[: step % len(MODES)]
             for mode in order:
                 seconds, loss = run_step(
                     drafters[mode], optimizers[mode], target, sequences, caches[mode],
@@ -166,14 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         for name, drafter in (("random_init", fresh.train()), ("shipped", trained)):
             if drafter.target_layer_ids != layer_ids:
                 continue
-            cosines = []
+            cosines: dict[str, list[float]] = {"shortlist": [], "shortlist_wide": [], "batches": []}
+            previous = None
             for i in range(args.grad_batches):
                 batch = recipe.sample_batch(
                     sequences, args.batch_size, args.seq_len, recipe._step_generator(5, i), cache
                 )
                 full = gradient(drafter, target, batch, configs["cache"], i)
-                short = gradient(drafter, target, batch, configs["shortlist"], i)
-                cosines.append(float(torch.nn.functional.cosine_similarity(full, short, dim=0)))
+                for mode in ("shortlist", "shortlist_wide"):
+                    short = gradient(drafter, target, batch, configs[mode], i)
+                    cosines[mode].append(float(cosine(full, short, dim=0)))
+                if previous is not None:
+                    cosines["batches"].append(float(cosine(full, previous, dim=0)))
+                previous = full
             fidelity[name] = cosines
         cache_bytes = cache.bytes_on_disk
 
