@@ -16,6 +16,7 @@ import ast
 import json
 import re
 import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -253,6 +254,26 @@ def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):
     assert meta["spec_verify_ct"] < meta["completion_tokens"]  # > 1 token per verify
     assert meta["spec_accept_length"] > 1.0
     assert "accept len:" in ddtree_server.log.read_text()  # the decode log line
+
+
+def test_sglang_bench_serving_runs_against_ddtree(ddtree_server, pair, request, tmp_path):
+    """SGLang's own client, ``python -m sglang.bench_serving``, from this environment (its
+    ``datasets`` import included) against a DDTREE server: every request completes and the
+    server's accept length comes back in its record."""
+    if request.node.callspec.params["ddtree_server"] != BUDGETS[0]:
+        pytest.skip("one budget is enough for the client")
+    out = tmp_path / "bench.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+         "--base-url", ddtree_server.base_url, "--dataset-name", "random-ids",
+         "--num-prompts", "8", "--random-input-len", "48", "--random-output-len", "16",
+         "--tokenizer", str(pair["target"]), "--max-concurrency", "4",
+         "--output-file", str(out), "--disable-tqdm"],
+        check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert record["completed"] == 8 and record["total_output_tokens"] > 0
+    assert record["accept_length"] > 1.0 and record["median_itl_ms"] > 0
 
 
 def test_ddtree_chat_completion_equals_no_speculation(ddtree_server, baseline):
