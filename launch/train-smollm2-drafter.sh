@@ -18,7 +18,8 @@
 # tokens are computed once per record and cached in $WORK/features (bf16 + int32, 2,336 bytes
 # per token: about 0.43 GB for the shipped data's 184k tokens; built once, resumable), so each
 # step runs the drafter only; the loss runs over a shortlist (labels + cached target top-TOPK +
-# NEGATIVES sampled negatives). The last HELDOUT records are held out and their slot-1
+# NEGATIVES sampled negatives; the full loss for the first FULL_LOSS_STEPS steps, where the
+# shortlist is least faithful). The last HELDOUT records are held out and their slot-1
 # acceptance is printed every EVAL_EVERY steps. One stage of STEPS steps (batch BATCH, ANCHORS
 # anchors); it stops at STEPS, after MAX_MINUTES of training, or once the held-out slot-1
 # acceptance reaches STOP_ACC, whichever comes first; the same command resumes it (checkpoint
@@ -53,7 +54,8 @@ case "$recipe" in
     stages="$steps:${BATCH:-4}:${ANCHORS:-64}:$steps"
     train=$work/train-long
     extra=(--feature-cache "$work/features" --cache-topk "${TOPK:-8}"
-      --shortlist-negatives "${NEGATIVES:-2048}" --heldout-records "${HELDOUT:-32}"
+      --shortlist-negatives "${NEGATIVES:-2048}" --full-loss-steps "${FULL_LOSS_STEPS:-200}"
+      --heldout-records "${HELDOUT:-32}"
       --eval-every "${EVAL_EVERY:-200}" --save-every "${SAVE_EVERY:-100}")
     if [ -n "${MAX_MINUTES:-}" ]; then extra+=(--max-minutes "$MAX_MINUTES"); fi
     if [ -n "${STOP_ACC:-}" ]; then extra+=(--stop-heldout-acc "$STOP_ACC"); fi

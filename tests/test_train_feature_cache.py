@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from sglang_tree_spec.drafters import DFlashDrafter
 from sglang_tree_spec.models import feature_cache as cache_module
+from sglang_tree_spec.models import train_dflash as train_module
 from sglang_tree_spec.models.feature_cache import build_feature_cache, window_records
 from sglang_tree_spec.models.train_dflash import (
     TRAINER_STATE_NAME,
@@ -228,7 +229,7 @@ def test_shortlist_gradient_follows_the_full_gradient(target):
 def test_corrected_negatives_estimate_the_full_loss(target):
     """The sampled negatives' ``log(rest / drawn)`` correction makes the shortlist loss an
     estimate of the full loss (without it, the loss misses the unsampled tokens' mass)."""
-    drafter, hidden, labels, weights, candidates = loss_setup(target, seed=5)
+    _, hidden, labels, weights, _ = loss_setup(target, seed=5)
     with torch.no_grad():
         states = hidden()
         full = block_loss(states, labels, weights, target.lm_head)[0]
@@ -292,6 +293,19 @@ def test_stop_when_heldout_acceptance_is_reached(target_dir, tmp_path):
     assert [r["heldout_acc_slot1"] for r in log if "heldout_acc_slot1" in r][-2] < 0.6
 
 
+def test_full_loss_steps_then_shortlist(target_dir, tmp_path, monkeypatch):
+    calls = []
+    original = train_module.shortlist_block_loss
+
+    def spy(*args, **kwargs):
+        calls.append(True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "shortlist_block_loss", spy)
+    train_dflash(config(target_dir, tmp_path / "run", steps=5, full_loss_steps=3))
+    assert len(calls) == 2  # steps 4 and 5
+
+
 def test_stop_after_minutes(target_dir, tmp_path):
     out = tmp_path / "run"
     train_dflash(config(target_dir, out, steps=50, max_minutes=0.0))
@@ -316,6 +330,7 @@ def test_cli_passes_the_new_options(target_dir, tmp_path):
             *("--feature-cache", str(tmp_path / "cache"), "--cache-topk", "3"),
             *("--shortlist-negatives", "32", "--heldout-records", "2", "--eval-every", "1"),
             *("--max-minutes", "60", "--stop-heldout-acc", "1.01", "--log-every", "1"),
+            *("--full-loss-steps", "1"),
         ]
     )
     assert run_train_drafter(args) == 0

@@ -17,6 +17,8 @@ Two speed-ups spend the CPU on the drafter only (both opt-in):
   batch's labels, the target's cached top-k at every labelled position, and uniformly sampled
   negatives whose logits get the ``log(rest / sampled)`` correction), not all of it
   (:func:`shortlist_block_loss`; with every other token as a negative it is the full loss).
+  It is least faithful at random init (huge logits on tokens outside the shortlist), so the
+  first ``full_loss_steps`` steps can use the full loss.
 
 Long runs: held-out slot-1 acceptance (``heldout_records``) is logged as it goes, and a run
 stops at a step (``stop_at``), after ``max_minutes`` or once the held-out slot-1 acceptance
@@ -81,6 +83,7 @@ class TrainConfig:
     cache_topk: int = 8  # target top-k next tokens cached per position (shortlist candidates)
     cache_batch_size: int = 4  # records per target forward while building the cache
     shortlist_negatives: int | None = None  # None: full-vocabulary loss; else shortlist loss
+    full_loss_steps: int = 0  # the shortlist loss starts after this many full-loss steps
     heldout_records: int = 0  # the last N records are held out (slot-1 acceptance)
     eval_every: int = 0  # held-out evaluation period in steps; 0: at every save and the end
     eval_anchors: int = 8  # anchors per held-out record
@@ -498,8 +501,10 @@ def train_step(
     batch: Batch,
     cfg: TrainConfig,
     generator: torch.Generator,
+    full_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss (with graph) and per-slot ``(correct [B], counted [B])`` of one batch."""
+    """Loss (with graph) and per-slot ``(correct [B], counted [B])`` of one batch (the full
+    vocabulary's when ``full_loss`` or no ``shortlist_negatives``)."""
     device = next(drafter.parameters()).device
     input_ids, lengths, loss_mask = (t.to(device) for t in batch[:3])
     valid = valid_anchor_positions(lengths, loss_mask, cfg.block_size)
@@ -514,7 +519,7 @@ def train_step(
             input_ids, loss_mask, anchors, keep, cfg.block_size, cfg.gamma
         )
         lm_head = target.get_output_embeddings()
-        if cfg.shortlist_negatives is None:
+        if cfg.shortlist_negatives is None or full_loss:
             return block_loss(hidden, labels, weights, lm_head)
         candidates = None
         if batch.topk is not None:
@@ -676,7 +681,10 @@ def train_dflash(cfg: TrainConfig) -> Path:
     for step in progress:
         generator = _step_generator(cfg.seed, step)
         batch = sample_batch(sequences, cfg.batch_size, cfg.seq_len, generator, cache)
-        loss, step_correct, step_counted = train_step(drafter, target, batch, cfg, generator)
+        full_loss = step < cfg.full_loss_steps
+        loss, step_correct, step_counted = train_step(
+            drafter, target, batch, cfg, generator, full_loss
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         optimizer.zero_grad(set_to_none=True)
@@ -793,6 +801,13 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         "(default: full vocabulary)",
     )
     parser.add_argument(
+        "--full-loss-steps",
+        type=int,
+        default=0,
+        help="full-vocabulary loss for the first N steps, then the shortlist (least faithful "
+        "at random init)",
+    )
+    parser.add_argument(
         "--heldout-records",
         type=int,
         default=0,
@@ -837,6 +852,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         cache_topk=args.cache_topk,
         cache_batch_size=args.cache_batch_size,
         shortlist_negatives=args.shortlist_negatives,
+        full_loss_steps=args.full_loss_steps,
         heldout_records=args.heldout_records,
         eval_every=args.eval_every,
         eval_anchors=args.eval_anchors,
