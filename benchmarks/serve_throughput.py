@@ -16,6 +16,7 @@ the DFlash chain through the same worker); ``ddtree:B`` (fixed budget B); ``ddtr
 on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter.
 
     python benchmarks/serve_throughput.py                    # CPU, the shipped small pair
+    python benchmarks/serve_throughput.py --quick            # none / chain / auto, minutes
     python benchmarks/serve_throughput.py --configs none chain ddtree:auto --prompts 8
     python benchmarks/serve_throughput.py --device cuda --target DIR --drafter DIR \\
         --configs none dflash ddtree:16 ddtree:auto --attention-backend triton \\
@@ -53,6 +54,12 @@ from sglang_tree_spec.server_process import (
 DEFAULT_OUT = Path(__file__).parent / "results" / "serve_throughput_cpu.json"
 DEFAULT_CONFIGS = ["none", "chain", "ddtree:4", "ddtree:8", "ddtree:16", "ddtree:auto"]
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
+QUICK = {  # --quick: the README's run command, a few minutes on 2 CPU cores
+    "configs": ["none", "chain", "ddtree:auto"],
+    "prompts": 16,
+    "new_tokens": 32,
+    "out": DEFAULT_OUT.with_name("serve_throughput_cpu_quick.json"),
+}
 
 
 def drafter_block(drafter: Path) -> int:
@@ -319,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--quick", action="store_true", help="none / chain / ddtree:auto, 16 prompts, 32 tokens"
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
 
 

@@ -22,13 +22,23 @@ def test_ci_runs_the_readme_test_command_as_written():
     assert test_command in ci_lines
 
 
-def test_readme_run_command_uses_an_existing_subcommand():
+def test_readme_run_command_is_the_serving_benchmark_and_its_arguments_parse():
+    """The first command (the main job) benchmarks a real server; the demo's subcommand exists."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serve_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     from sglang_tree_spec.cli import build_parser
 
-    run_command = next(c for c in readme_commands() if "sglang-tree-spec " in c)
-    argv = run_command.split("sglang-tree-spec ", 1)[1].split()
-    args = build_parser(with_models=False).parse_args(argv)
-    assert callable(args.handler)
+    run_command = readme_commands()[0]
+    assert "benchmarks/serve_throughput.py" in run_command
+    args = serve_throughput.parse_args(run_command.split("serve_throughput.py", 1)[1].split())
+    assert "ddtree:auto" in args.configs and "none" in args.configs and "chain" in args.configs
+    assert args.concurrency == [1, 2, 4, 8, 16]
+    demo = next(c for c in readme_commands() if "sglang-tree-spec " in c)
+    argv = demo.split("sglang-tree-spec ", 1)[1].split()
+    assert callable(build_parser(with_models=False).parse_args(argv).handler)
 
 
 def test_tree_demo_runs_and_reports_a_tree_better_than_the_chain():
