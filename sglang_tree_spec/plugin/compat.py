@@ -108,7 +108,7 @@ WORKER_ATTRIBUTES = (
 
 # Attributes of SGLang's scheduler ``Req`` the DDTREE worker reads (checked on a real Req by
 # tests/test_compat.py).
-REQ_ATTRIBUTES = ("rid", "origin_input_ids", "sampling_params", "extra_key")
+REQ_ATTRIBUTES = ("rid", "origin_input_ids", "sampling_params", "extra_key", "finished")
 
 # The Req attributes SGLang separates prefix caches by, per release: the isolation key of
 # ``--speculative-ddtree-table per-key``. 0.5.17 folds the OpenAI ``cache_salt`` (and a LoRA

@@ -31,6 +31,7 @@ from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
 from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
+from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_seed
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
@@ -46,6 +47,11 @@ def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
     if info is None or info.is_all_greedy:
         return Sampling.greedy(bs, device)
     seeds = [req.sampling_params.sampling_seed for req in batch.reqs]
+    # n > 1: sample i of a seeded request draws its own coins (plugin/samples.py).
+    seeds = [
+        None if seed is None else sample_seed(seed, sample_index(req))
+        for seed, req in zip(seeds, batch.reqs, strict=True)
+    ]
     return Sampling(
         temperature=info.temperatures.view(-1),
         top_k=info.top_ks.view(-1),
@@ -113,6 +119,7 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
+            self._samples = SampleNumbers()  # n > 1: the sample index of seeded requests
             self.table_mode = str(getattr(server_args, "speculative_ddtree_table", "shared"))
             self._table_owners = (
                 TablePartitions(self.config.table_partitions)
@@ -182,6 +189,7 @@ def _define_worker() -> type:
                 if self.metrics is not None:  # the decode steps so far, before new requests
                     self.metrics.publish(self.controller.stats())
                 self._bind_table(batch.reqs)
+                self._samples.number(batch.reqs)
                 self._observe_prompts(batch.reqs)
                 self.controller.reset(batch.req_pool_indices.to(torch.int64))
                 if batch.return_logprob and compat.is_release("0.5.17"):
