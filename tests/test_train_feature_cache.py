@@ -17,12 +17,15 @@ from sglang_tree_spec.models import train_dflash as train_module
 from sglang_tree_spec.models.feature_cache import build_feature_cache, window_records
 from sglang_tree_spec.models.train_dflash import (
     TRAINER_STATE_NAME,
+    Batch,
+    HeldOut,
     TrainConfig,
     add_train_drafter_args,
     block_candidates,
     block_hidden,
     block_labels,
     block_loss,
+    heldout_acceptance,
     run_train_drafter,
     sample_anchors,
     shortlist_block_loss,
@@ -269,6 +272,30 @@ def test_cached_shortlist_training_learns_and_reports_heldout_acceptance(target_
     assert (out / "cache" / cache_module.FEATURES_NAME).stat().st_size > 0
 
 
+def test_heldout_acceptance_counts_leading_matches(target, monkeypatch):
+    """Block 0 drafts [hit, miss, hit] (1 accepted), block 1 [miss, hit, hit] (0): slot-1
+    acceptance 1/2, chain tau 1 + 1/2."""
+    vocab = 32
+    drafted = torch.tensor([[[0, 3, 0, 5], [0, 0, 10, 11]]])  # slot 0 (the anchor) is unused
+
+    def one_hot_hidden(*args):
+        return torch.nn.functional.one_hot(drafted, vocab).float()
+
+    monkeypatch.setattr(train_module, "block_hidden", one_hot_hidden)
+    head = torch.nn.Linear(vocab, vocab, bias=False)
+    head.weight.data = torch.eye(vocab)
+    fake_target = type("T", (), {"get_input_embeddings": lambda self: None})()
+    fake_target.get_output_embeddings = lambda: head
+    drafter = DFlashDrafter.random_init(target.config, num_layers=1, block_size=4, seed=0)
+    ids = torch.arange(20)[None]
+    batch = Batch(
+        ids, torch.tensor([20]), torch.ones(1, 20, dtype=torch.bool), torch.zeros(1, 20, 64)
+    )
+    heldout = HeldOut([(batch, torch.tensor([[2, 8]]), torch.tensor([[True, True]]))])
+    result = heldout_acceptance(drafter, fake_target, heldout)
+    assert result == {"heldout_acc_slot1": 0.5, "heldout_tau": 1.5, "heldout_blocks": 2}
+
+
 def test_cached_run_stopped_and_resumed_equals_a_straight_run(target_dir, tmp_path):
     straight = train_dflash(config(target_dir, tmp_path / "straight"))
     staged = tmp_path / "staged"
@@ -336,5 +363,12 @@ def test_cli_passes_the_new_options(target_dir, tmp_path):
     assert run_train_drafter(args) == 0
     log = read_log(out)
     assert sum("heldout_tau" in r for r in log) == 2
+    settings = torch.load(out / TRAINER_STATE_NAME, weights_only=True)["config"]
+    expected = dict(
+        feature_cache=str(tmp_path / "cache"), cache_topk=3, shortlist_negatives=32,
+        heldout_records=2, eval_every=1, max_minutes=60.0, stop_heldout_acc=1.01,
+        full_loss_steps=1,
+    )  # fmt: skip
+    assert {k: settings[k] for k in expected} == expected
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert meta["topk"] == 3 and meta["records"] == 12  # windows of 24 + 6 tokens
