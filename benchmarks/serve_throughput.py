@@ -67,6 +67,29 @@ def drafter_block(drafter: Path) -> int:
     return int(json.loads((drafter / "config.json").read_text())["block_size"])
 
 
+def random_drafter(drafter: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of ``drafter`` with random weights (same config, names and shapes, std 0.02;
+    norms at 1): a drafter that is no use, for the fallback check."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(drafter / "config.json", out / "config.json")
+    generator = torch.Generator().manual_seed(seed)
+    weights = {
+        name: (
+            torch.ones_like(t)
+            if "norm" in name
+            else (0.02 * torch.randn(t.shape, generator=generator)).to(t.dtype)
+        )
+        for name, t in load_file(drafter / "model.safetensors").items()
+    }
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
     """SGLang's launcher for one configuration (see the module docstring)."""
     command = [
@@ -327,6 +350,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
+        "--random-drafter",
+        action="store_true",
+        help="replace the drafter's weights by random ones (a drafter that is no use)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="none / chain / ddtree:auto, 16 prompts, 32 tokens"
     )
     argv = sys.argv[1:] if argv is None else argv
@@ -344,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [tokenizer.encode(t, add_special_tokens=False)[-args.prompt_tokens :] for t in texts]
     logs = Path(tempfile.mkdtemp(prefix="serve-throughput-"))
     print(f"server logs: {logs}", flush=True)
+    if args.random_drafter:
+        args.drafter = random_drafter(args.drafter, logs / "random-drafter")
     results = {
         config: measure(args, config, prompts, logs / f"{config.replace(':', '_')}.log")
         for config in args.configs
@@ -351,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = table_rows(results)
     env = environment(args.device, args.dtype) | {
         "target": str(args.target),
-        "drafter": str(args.drafter),
+        "drafter": "random weights" if args.random_drafter else str(args.drafter),
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,

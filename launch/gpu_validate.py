@@ -277,12 +277,13 @@ def measure_steps(
             [python, "benchmarks/serve_throughput.py", "--device", "cuda",
              "--attention-backend", backend, "--dtype", "bfloat16",
              "--target", str(target), "--drafter", str(drafter),
-             "--configs", "none", "dflash", f"ddtree:{small}", f"ddtree:{large}",
+             "--configs", "none", "dflash", f"ddtree:{small}", f"ddtree:{large}", "ddtree:auto",
+             "--auto-max-budget", str(large),
              "--concurrency", *map(str, CONCURRENCY), "--prompts", "16",
              "--prompt-tokens", "256", "--new-tokens", "96", "--max-total-tokens", "65536",
              "--out", str(out / name)],
             270 if len(backends) == 2 else 480,
-            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE B{small} / B{large}, "
+            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE B{small} / B{large} / auto, "
             f"concurrency {'/'.join(map(str, CONCURRENCY))}", env=dict(env), outputs=[name],
         ))  # fmt: skip
     notes = [

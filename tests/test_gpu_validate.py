@@ -58,7 +58,8 @@ def test_dry_run_prints_every_command_of_the_plan(dry_run):
         f"GPU_EXACTNESS_TARGET={small}",
         f"benchmarks/tree_build.py --device cuda --out {out}/tree_build_cuda.json",
         "benchmarks/serve_throughput.py --device cuda --attention-backend triton",
-        "--configs none dflash ddtree:8 ddtree:32 --concurrency 1 2 4 8 16",
+        "--configs none dflash ddtree:8 ddtree:32 ddtree:auto --auto-max-budget 32",
+        "--concurrency 1 2 4 8 16",
     ]
     for fragment in expected:
         assert fragment in result.stdout, fragment
