@@ -458,31 +458,24 @@ def extra_context_len(args: Any) -> int:
 
 
 @pytest.mark.parametrize(
-    ("params", "refused"),
+    ("params", "penalised"),
     [
-        ({}, None),
-        ({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.1}, None),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": -0.3}, "presence_penalty"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"min_new_tokens": 4}, "min_new_tokens"),
-        ({"frequency_penalty": 0.1, "min_new_tokens": 1}, "frequency_penalty, min_new_tokens"),
+        ({}, False),
+        ({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.1}, False),
+        ({"frequency_penalty": 0.5}, True),
+        ({"presence_penalty": -0.3}, True),
+        ({"repetition_penalty": 1.2}, True),
+        ({"min_new_tokens": 4}, True),
     ],
 )
-def test_requests_with_penalties_are_refused(params, refused):
-    """Plain and sampled requests pass; each penalty DDTREE cannot apply exactly is named."""
+def test_penalised_requests_are_recognised(params, penalised):
+    """Each penalty and ``min_new_tokens`` switches the worker's per-node penalties on (none
+    is refused any more: tests/test_sglang_ddtree_params.py serves them exactly)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_tree_spec.plugin.validation import inexact_sampling_reason
+    from sglang_tree_spec.plugin.penalties import penalised as is_penalised
 
-    reason = inexact_sampling_reason(SamplingParams(**params))
-    if refused is None:
-        assert reason is None
-    else:
-        assert reason == (
-            f"DDTREE speculative decoding does not support {refused} yet "
-            "(its output would differ from the target's)"
-        )
+    assert is_penalised(SamplingParams(**params)) == penalised
 
 
 def test_launch_server_exits_with_the_one_line_error(models):

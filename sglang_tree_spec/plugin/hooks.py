@@ -138,8 +138,9 @@ HOOKS: tuple[Hook, ...] = (
         kind="AROUND",
         make=_refuse_inexact_requests,
         patch="0013-dflash-refuses-penalties.diff",
-        reason="DFlash-family decode ignores penalties and min_new_tokens; refuse such requests "
-        "rather than change their output",
+        reason="0.5.17 refuses return_logprob for the whole DFlash family; the DDTREE worker "
+        "serves it (and penalties, per tree node), so keep the refusal for DFLASH only and name "
+        "the served algorithm in SGLang's reasons",
     ),
     Hook(
         target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

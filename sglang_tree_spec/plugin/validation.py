@@ -263,39 +263,13 @@ def check_window_covers_block(num_draft_tokens: int | None, block_size: int) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-def inexact_sampling_reason(params: Any) -> str | None:
-    """Why DDTREE would not decode a request with these ``SamplingParams`` as the target alone
-    does, or None.
-
-    SGLang 0.5.17's DFlash-family decode never feeds accepted tokens to the penalizers, and a
-    tree's nodes would each need the penalties of their own path: frequency, presence and
-    repetition penalties come out wrong and ``min_new_tokens`` is ignored (seen on CPU against
-    no speculation). Until the worker applies them per node, such requests are refused.
-    """
-    unsupported = [
-        name
-        for name, active in (
-            ("frequency_penalty", params.frequency_penalty != 0.0),
-            ("presence_penalty", params.presence_penalty != 0.0),
-            ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("min_new_tokens", params.min_new_tokens > 0),
-        )
-        if active
-    ]
-    if not unsupported:
-        return None
-    return (
-        f"{ALGORITHM} speculative decoding does not support {', '.join(unsupported)} yet "
-        "(its output would differ from the target's)"
-    )
-
-
 def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> str | None:
     """AROUND hook on ``speculative.dflash_utils.validate_dflash_request``: a DDTREE server
     finishes a request it cannot decode exactly at once, with the reason (an HTTP 400);
-    SGLang's own reasons name DDTREE instead of DFLASH. ``return_logprob`` is served (the
-    DDTREE worker reads the committed tokens' log-probs from the verify logits), though SGLang
-    0.5.17's DFLASH refuses it. Mirrored by
+    SGLang's own reasons name DDTREE instead of DFLASH. ``return_logprob`` (refused by SGLang
+    0.5.17's DFLASH), penalties and ``min_new_tokens`` are served exactly: the worker reads the
+    committed tokens' log-probs from the verify logits and penalises every tree node by its
+    own path (:mod:`sglang_tree_spec.plugin.penalties`). Mirrored by
     ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
@@ -304,7 +278,7 @@ def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> st
         return error
     if error is not None and not (req.return_logprob and "return_logprob" in error):
         return error.replace("DFLASH", ALGORITHM)
-    return inexact_sampling_reason(req.sampling_params)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
