@@ -158,6 +158,7 @@ def decode_step(
     *,
     timer: PhaseTimer,
     generator: torch.Generator | None = None,
+    time_step: bool = True,
 ) -> StepResult:
     """Draft, choose the budget, select, verify, accept and keep one step for ``bs`` requests.
 
@@ -173,6 +174,10 @@ def decode_step(
         rows: ``[bs]`` int64 each request's slot in the controller's per-request history.
         timer: marks the phases draft, tree, verify, accept, commit.
         generator: coins of unseeded sampled rows.
+        time_step: record this step's wall time in the controller's latency model; False
+            when the caller measures the step itself (the SGLang worker times the period from
+            one decode step to the next: the scheduler's own per-step work included, and no
+            device sync of its own).
     """
     bs = bonus.shape[0]
     start = time.perf_counter()
@@ -208,7 +213,8 @@ def decode_step(
     backend.keep(accept.accepted_slots[:, :path_width], commit_lens)
     timer.mark("commit")
     timer.end_step(bs)
-    controller.record_step(bs, budget, time.perf_counter() - start, drafted)
+    if time_step:
+        controller.record_step(bs, budget, time.perf_counter() - start, drafted)
     return StepResult(
         tree,
         accept,

@@ -16,6 +16,7 @@ merged from the vocabulary shards of the target's LM head).
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -128,6 +129,7 @@ def _define_worker() -> type:
             )
             self._controller = None  # built on first use: the request pool comes later
             self._steps = 0
+            self._open_step: tuple[int, int, bool, float] | None = None  # see _time_steps
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
@@ -186,6 +188,7 @@ def _define_worker() -> type:
             """Prefill and idle batches are DFlash's; decode batches run the tree step.
             (``kwargs``: later releases pass more, e.g. 0.5.23's ``pp_proxy_tensors``.)"""
             if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                self._open_step = None  # a prefill ends the run of back-to-back decode steps
                 if self.metrics is not None:  # the decode steps so far, before new requests
                     self.metrics.publish(self.controller.stats())
                 self._bind_table(batch.reqs)
@@ -198,6 +201,7 @@ def _define_worker() -> type:
                     batch, on_publish, grammar_barrier, **kwargs
                 )
             if batch.forward_mode.is_idle():
+                self._open_step = None
                 return super().forward_batch_generation(
                     batch, on_publish, grammar_barrier, **kwargs
                 )
@@ -242,6 +246,7 @@ def _define_worker() -> type:
             if any(penalised(req.sampling_params) for req in batch.reqs):
                 backend.penalties = partial(batch_penalties, batch.reqs)
             self._bind_table(batch.reqs)
+            start = self._time_steps()
             result = decode_step(
                 backend,
                 self.selector,
@@ -252,7 +257,10 @@ def _define_worker() -> type:
                 batch.req_pool_indices.to(torch.int64),
                 timer=self._timer,
                 generator=self._generator,
+                time_step=False,  # timed by _time_steps
             )
+            drafted = result.topk_logprobs is not None
+            self._open_step = (len(batch.reqs), result.budget, drafted, start)
             self._log_budgets()
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
@@ -278,6 +286,18 @@ def _define_worker() -> type:
                 speculative_num_draft_tokens=out_tokens.shape[1],
                 new_seq_lens=new_seq_lens,
             )
+
+        def _time_steps(self) -> float:
+            """The latency model's step time: from one decode step's start to the next one's,
+            when nothing but the scheduler ran between them. That period is what a step costs
+            the server (the scheduler's output processing and scheduling included, which the
+            step alone would leave out), and it needs no device sync: the scheduler's own
+            read of each step's tokens bounds it. Returns this step's start."""
+            now = time.perf_counter()
+            if self._open_step is not None:
+                bs, budget, drafted, start = self._open_step
+                self.controller.record_step(bs, budget, now - start, drafted)
+            return now
 
         def _log_budgets(self) -> None:
             """Every ``BUDGET_LOG_EVERY`` steps: the metrics, and under auto a log line with
