@@ -310,25 +310,24 @@ def plot(rows: list[dict], path: Path) -> None:
     levels = sorted({r["concurrency"] for r in rows})
     left.set_xticks(levels, [str(c) for c in levels])
     left.legend()
-    auto = [r for r in rows if "auto" in r["config"]]
-    for config in dict.fromkeys(r["config"] for r in auto):
-        mine = [r for r in auto if r["config"] == config]
-        means = [
-            sum(b * n for b, n in r["control"]["budget_steps"].items())
+    auto = [r for r in rows if r["config"] == next((c for c in configs if "auto" in c), None)]
+    budgets = sorted({b for r in auto for b in r["control"]["budget_steps"]})
+    bottom = [0.0] * len(auto)
+    for budget in budgets:
+        shares = [
+            r["control"]["budget_steps"].get(budget, 0)
             / max(sum(r["control"]["budget_steps"].values()), 1)
-            for r in mine
+            for r in auto
         ]
-        right.plot([r["concurrency"] for r in mine], means, marker="s", label=config)
-        for r, mean in zip(mine, means, strict=True):
-            top = max(r["control"]["budget_steps"].items(), key=lambda kv: kv[1], default=None)
-            if top:
-                right.annotate(f"mode {top[0]}", (r["concurrency"], mean), fontsize=7)
+        right.bar(range(len(auto)), shares, bottom=bottom, label=f"budget {budget}")
+        bottom = [a + b for a, b in zip(bottom, shares, strict=True)]
+    right.set_xticks(range(len(auto)), [str(r["concurrency"]) for r in auto])
     right.set(
-        xscale="log", xlabel="concurrency", ylabel="mean budget over decode steps",
-        title="budgets chosen by auto",
+        xlabel="concurrency", ylabel="share of decode steps",
+        title=f"budgets chosen by {auto[0]['config'] if auto else 'auto (not run)'}",
     )  # fmt: skip
     if auto:
-        right.legend()
+        right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
