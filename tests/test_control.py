@@ -264,18 +264,21 @@ def roofline_controller(budgets=(0, 4, 8, 16, 32, 64), **kwargs):
 
 
 def test_choice_useless_drafter_picks_plain_decode_and_stops_drafting():
+    """The model prefers plain steps: the drafter is skipped except every ``probe_every``-th
+    step, which re-forecasts and, its draft paid for, verifies at the cheapest budget > 0."""
     for bs in (1, 16):
         ctl = roofline_controller(probe_every=4)
         tree = strong_or_useless_tree(bs, strong=False)
         fc = ctl.forecast(torch.arange(bs), tree.logprobs, tree.depths, tree.valid)
         assert ctl.should_draft(2)
-        assert ctl.choose(fc, bs) == 0
-        drafted = []
+        assert ctl.choose(fc, bs) == 4  # drafted: verified, but plain steps follow
+        drafted, chosen = [], []
         for _ in range(8):
             drafted.append(ctl.should_draft(2))
-            assert ctl.choose(fc if drafted[-1] else None, bs) == 0
+            chosen.append(ctl.choose(fc if drafted[-1] else None, bs))
         assert drafted == [False, False, False, True] * 2  # re-forecast every 4th step
-        assert ctl.stats().budget_counts == {0: 9}
+        assert chosen == [0, 0, 0, 4] * 2
+        assert ctl.stats().budget_counts == {0: 6, 4: 3}
 
 
 def test_choice_free_verification_and_strong_drafter_picks_max_budget():
@@ -289,7 +292,8 @@ def test_choice_free_verification_and_strong_drafter_picks_max_budget():
     # Nothing to gain (all probabilities 0) at equal cost: ties go to the smaller budget.
     useless = strong_or_useless_tree(8, strong=False)
     flat_fc = ctl.forecast(torch.arange(8), useless.logprobs, useless.depths, useless.valid)
-    assert ctl.choose(flat_fc, 8) == 0
+    assert ctl.choose(flat_fc, 8) == 4  # the model prefers 0; a drafted step verifies anyway
+    assert not ctl.should_draft(8)  # and the next steps are plain
     # A tree smaller than a candidate never gets that candidate.
     small = top_nodes(tree, 16)
     fc16 = ctl.forecast(torch.arange(8), small.logprobs, small.depths, small.valid)
@@ -335,7 +339,8 @@ def test_profile_measures_every_candidate_before_choosing():
         ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
         order.append((budget, drafted))
     assert order == [(0, False)] + [(b, True) for b in ctl.config.budgets[1:]]
-    assert ctl.should_draft(1) and ctl.choose(fc, 1) == 0  # profiled: a useless drafter -> 0
+    assert ctl.should_draft(1) and ctl.choose(fc, 1) == 4  # profiled: useless drafter -> plain
+    assert not ctl.should_draft(1) and ctl.choose(None, 1) == 0
 
 
 def test_a_cell_keeps_the_minimum_of_its_first_samples_then_averages():
@@ -360,10 +365,10 @@ def test_exploration_re_measures_the_stalest_budget():
         budget = ctl.choose(fc if drafted else None, 1)
         ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
     chosen = []
-    for _ in range(12):
-        budget = ctl.choose(fc, 1)  # a useless drafter: the model says 0
+    for _ in range(12):  # drafted steps (probes): a useless drafter, the model says 0, so 4
+        budget = ctl.choose(fc, 1)
         ctl.record_step(1, budget, 0.01 * (budget + 1), True)
         chosen.append(budget)
-    explored = [b for b in chosen if b]
-    assert chosen[3] and chosen[7] and chosen[11] and len(explored) == 3
-    assert len(set(explored)) == 3  # each time the stalest: a different budget
+    explored = [chosen[i] for i in (3, 7, 11)]
+    assert [b for i, b in enumerate(chosen) if i not in (3, 7, 11)] == [4] * 9
+    assert explored == [8, 16, 32]  # each time the stalest: a different budget

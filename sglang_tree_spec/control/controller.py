@@ -9,6 +9,7 @@ compute-bound, C(bs, N) grows with bs * (N + 1) and N* shrinks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -28,9 +29,11 @@ def best_budget(
     budgets: tuple[int, ...],
     max_budget: int | None = None,
     tie_rtol: float = 1e-6,
+    min_budget: int = 0,
 ) -> int:
     """Host argmax of committed[c] / seconds[c] over ``budgets`` (sorted ascending), ties
-    (within ``tie_rtol``) toward the smaller budget; budgets above ``max_budget`` skipped.
+    (within ``tie_rtol``) toward the smaller budget; budgets above ``max_budget`` or below
+    ``min_budget`` skipped (``budgets[0]`` when none is left).
 
     Args:
         committed: ``[C]`` predicted committed tokens of the batch, sum_i (1 + A_i(N)).
@@ -40,6 +43,8 @@ def best_budget(
     for column, budget in enumerate(budgets):
         if max_budget is not None and budget > max_budget:
             break
+        if budget < min_budget:
+            continue
         rate = committed[column] / seconds[column]
         if rate > best_rate * (1.0 + tie_rtol):
             best, best_rate = budget, rate
@@ -52,7 +57,9 @@ class ControlConfig:
     budgets: sorted candidate budgets (use :func:`candidate_budgets`); 0 = plain decode.
     fixed_budget: None = auto; a number = always that budget (no reads, no latency needed).
     max_depth: L, drafted positions per step (the drafter's block - 1).
-    probe_every: while auto keeps choosing 0, draft (and re-forecast) every this many steps.
+    probe_every: while auto prefers plain steps (budget 0), draft (and re-forecast) every
+        this many steps; that step verifies at the best budget > 0 (its draft is paid for),
+        which also keeps the drafted cells' step times fresh.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
@@ -157,6 +164,7 @@ class BudgetController:
         self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # pred, obs, count
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
+        self._plain = False  # the last forecast preferred plain steps: draft only to probe
         self._steps_since_draft = 0
         self._drafted_steps = 0  # drafted auto steps after the profile
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
@@ -190,7 +198,7 @@ class BudgetController:
             return self.config.fixed_budget > 0
         if self._to_profile(bs) is not None:
             return self._to_profile(bs) != 0
-        if self.last_budget != 0:
+        if self.last_budget != 0 and not self._plain:
             return True
         return self._steps_since_draft + 1 >= self.config.probe_every
 
@@ -222,8 +230,10 @@ class BudgetController:
 
         Auto with a forecast: ONE host read of the ``[C]`` batch totals sum_i (1 + A_i(N)),
         then the argmax of totals / C(bs, N) on the host. Candidates above the tree's size are
-        skipped. ``forecast=None`` (a step that did not draft): 0. Fixed mode: the fixed
-        budget, no read.
+        skipped. When that argmax is 0 (plain steps pay more than drafting returns), the
+        following steps skip the drafter until the next probe, and this step, whose draft is
+        paid for, verifies at the best budget > 0. ``forecast=None`` (a step that did not
+        draft): 0. Fixed mode: the fixed budget, no read.
         """
         if not self.auto:
             return self._count(self.config.fixed_budget)
@@ -239,14 +249,17 @@ class BudgetController:
         if every and self._drafted_steps % every == 0:
             return self._count(self._stalest(bs, forecast.tree_budget))
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
-        best = best_budget(
+        choice = partial(
+            best_budget,
             totals,
             self.latency.row(bs),
             self.config.budgets,
             max_budget=forecast.tree_budget,
             tie_rtol=self.config.tie_rtol,
         )
-        return self._count(best)
+        best = choice()
+        self._plain = best == 0
+        return self._count(choice(min_budget=1) if self._plain else best)
 
     def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
         """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
