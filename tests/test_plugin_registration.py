@@ -310,7 +310,6 @@ BAD_CONFIGS = [
         r"prefill attention backend 'triton' runs on cpu only under Triton's interpreter "
         r"\(set TRITON_INTERPRET=1, or use --attention-backend torch_native\)",
     ),
-    ("page-size", {"page_size": 16}, r"--page-size 16 is not supported \(use --page-size 1\)"),
     ("pp-2", {"pp_size": 2}, r"--pp-size 2 is not supported \(use --pp-size 1\)"),
     (
         "last-layer",
@@ -379,6 +378,37 @@ def test_validation_accepts_triton_on_cpu_under_the_interpreter(
         models, attention_backend="triton", speculative_draft_model_path=models["drafter"]
     )
     validate_server_args(args)
+
+
+def test_validation_page_size_16_on_cpu(sglang_plugins, models, monkeypatch):
+    """Paged KV (tests/test_sglang_ddtree_pages.py serves it). On CPU, SGLang 0.5.17 allocates
+    pages with a Triton kernel only, so without Triton's interpreter the server is refused at
+    start-up with that reason (SGLang alone would fail on the first request); 0.5.23 allocates
+    pages in torch there."""
+    from sglang_tree_spec.plugin import compat
+    from sglang_tree_spec.plugin.validation import DDTreeConfigError, validate_server_args
+
+    kwargs = {"page_size": 16, "speculative_draft_model_path": models["drafter"]}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if compat.is_release("0.5.17"):
+        with pytest.raises(DDTreeConfigError) as error:
+            validate_server_args(server_args(models, **kwargs))
+        assert str(error.value) == (
+            f"DDTREE: --page-size 16 on cpu needs Triton's interpreter: SGLang "
+            f"{compat.installed_version()} allocates KV pages with a Triton kernel only (set "
+            "TRITON_INTERPRET=1, or use --page-size 1)"
+        )
+    else:
+        validate_server_args(server_args(models, **kwargs))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate_server_args(server_args(models, **kwargs))
+
+
+def test_validation_accepts_any_page_size_on_cuda():
+    from sglang_tree_spec.plugin.validation import check_page_size
+
+    for page_size in (None, 1, 16, 64):
+        check_page_size(page_size, "cuda")
 
 
 def test_validation_reports_an_unreadable_drafter(models):

@@ -39,7 +39,6 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
     "cpu": ("torch_native", "triton"),
 }
 INTERPRETED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("triton",)}
-SUPPORTED_PAGE_SIZES = (1,)
 # Whether DDTREE keeps CUDA graphs on a GPU: its target-verify graphs carry the tree mask, one per
 # (batch size, budget) (plugin/graphs.py; --disable-cuda-graph turns them off as for any server);
 # launch/gpu-validate.sh states it in its plan and checks the servers' logs.
@@ -80,7 +79,7 @@ def validate_server_args(server_args: Any) -> None:
     view = _resolved(server_args)
     check_device(view.device)
     check_attention_backends(view.device, *_attention_backends(view))
-    check_page_size(view.page_size)
+    check_page_size(view.page_size, view.device)
     check_parallelism(view.tp_size, view.pp_size, bool(view.enable_dp_attention))
     drafter = load_drafter(
         server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
@@ -200,10 +199,23 @@ def check_attention_backends(device: str, prefill: str | None, decode: str | Non
             )
 
 
-def check_page_size(page_size: int | None) -> None:
-    """Accepted tree nodes keep their KV slots in place, which needs page size 1 for now."""
-    if page_size is not None and int(page_size) not in SUPPORTED_PAGE_SIZES:
-        raise DDTreeConfigError(f"--page-size {page_size} is not supported (use --page-size 1)")
+def check_page_size(page_size: int | None, device: str) -> None:
+    """Any page size: the verify window, the drafter's block and the accepted path's KV moves
+    address KV through the request's ``req_to_token`` row (position -> slot), which SGLang's
+    paged allocator fills page by page, so the accepted nodes' KV moves to the committed
+    positions' slots inside the request's own pages as at page size 1. On CPU, SGLang 0.5.17
+    (and the releases served with its tables) allocates pages only with a Triton kernel
+    (``mem_cache/allocator/paged.py``: ``alloc_extend_kernel``, ``alloc_decode_kernel``), which
+    runs there under Triton's interpreter alone; 0.5.23 falls back to torch on a platform
+    without Triton."""
+    if page_size is None or int(page_size) <= 1 or device != "cpu" or triton_interpreted():
+        return
+    if compat.is_release("0.5.17"):
+        raise DDTreeConfigError(
+            f"--page-size {page_size} on cpu needs Triton's interpreter: SGLang "
+            f"{compat.installed_version()} allocates KV pages with a Triton kernel only (set "
+            "TRITON_INTERPRET=1, or use --page-size 1)"
+        )
 
 
 def check_parallelism(tp_size: int, pp_size: int, enable_dp_attention: bool) -> None:
