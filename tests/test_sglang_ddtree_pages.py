@@ -21,11 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_sglang_ddtree import CHAT_TEMPLATE, Server, float32_copy, server_command
+import test_sglang_ddtree
+from test_sglang_ddtree import Server, server_command
 from transformers import AutoTokenizer
 
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.server_process import free_port, launch, stop, wait_until_healthy
+
+pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +61,6 @@ def paged_server(command: list[str], log: Path) -> Iterator[Server]:
         yield Server(base_url, log)
     finally:
         stop(process)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pair-fp32")
-    return {
-        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target", CHAT_TEMPLATE),
-        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -12,34 +12,25 @@ is the prefill's, SGLang's own sampler, taken as served). Plain SGLang without
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+import test_sglang_ddtree
 import torch
 from test_sglang_ddtree import (
-    CHAT_TEMPLATE,
-    float32_copy,
     offline_sample,
     running_server,
     server_command,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.plugin.samples import sample_seed
 from sglang_tree_spec.server_process import free_port, http_json
 
+pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
+
 NEW_TOKENS = 24
 PARAMS = {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.0, "sampling_seed": 1234}
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pair-fp32")
-    return {
-        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target", CHAT_TEMPLATE),
-        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_sglang_ddtree import CHAT_TEMPLATE, float32_copy, running_server, server_command
+import test_sglang_ddtree
+from test_sglang_ddtree import running_server, server_command
 from transformers import AutoTokenizer
 
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.server_process import free_port, http_json
+
+pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
 
 PROMPTS = 4
 PROMPT_TOKENS = 96
@@ -31,15 +34,6 @@ BUDGET = 16
 # 4.585 (4 prompts, 48 new tokens, budget 16); A's figure is reproducible to the last verify
 # (the test checks it across the two servers), so any gain is B reading A's text.
 MIN_SHARED_GAIN = 0.15
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pair-fp32")
-    return {
-        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target", CHAT_TEMPLATE),
-        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
+import test_sglang_ddtree
 import torch
-from test_sglang_ddtree import float32_copy, server_command
+from test_sglang_ddtree import server_command
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.server_process import free_port, http_json, launch, stop, wait_until_healthy
+
+pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +34,6 @@ PROMPT_TOKENS = (24, 40, 56)  # one batch, three prefix lengths (all under one 6
 NEW_TOKENS = 16
 SERVERS = {"budget8": (8, "none"), "budget16-graft": (16, "unified")}
 INTERPRETED_KERNELS = ("KV copy", "req_to_token slot assignment")
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pair-fp32")
-    return {
-        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target"),
-        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
-    }
 
 
 @pytest.fixture(scope="module")

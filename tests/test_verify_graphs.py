@@ -19,31 +19,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import test_sglang_ddtree
 from test_sglang_ddtree import (
     NEW_TOKENS,
     PROMPT_TOKENS,
-    float32_copy,
     running_server,
     server_command,
 )
 from transformers import AutoTokenizer
 
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.plugin.graphs import CPU_GRAPHS_ENV
 from sglang_tree_spec.server_process import free_port
+
+pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
 
 PROMPTS = 6
 BUDGETS = (4, 8)
 BATCH_SIZES = (1, 2)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pair-fp32")
-    return {
-        "target": float32_copy(SMALL_PAIR_DIR / "target", root / "target"),
-        "drafter": float32_copy(SMALL_PAIR_DIR / "drafter", root / "drafter"),
-    }
 
 
 @pytest.fixture(scope="module")
