@@ -126,6 +126,12 @@ def both_servers(pair, prompts, tmp_path: Path) -> Iterator[dict[str, list]]:
                     generate(server, prompt, stop_requests(stop)[label])
                     for prompt, stop in zip(prompts[:3], stops, strict=True)
                 ]
+            # Minimums a few tokens past the stop token: a step then straddles the minimum.
+            replies[f"{name}/min-new-near"] = [
+                generate(server, prompt, {"stop_token_ids": [stop], "min_new_tokens": minimum})
+                for prompt, stop in zip(prompts[:3], stops, strict=True)
+                for minimum in (4, 6, 9)
+            ]
             if budget is not None:  # seeded sampling with penalties, against the target alone
                 replies["ddtree/sampled"] = [generate(server, p, SAMPLED) for p in prompts[:2]]
             with ThreadPoolExecutor(len(MIXED)) as pool:
@@ -171,6 +177,7 @@ PENALTY_LABELS = [
     "repetition",
     "frequency+presence+repetition",
     "min-new-tokens",
+    "min-new-near",
     "mixed",
 ]
 
