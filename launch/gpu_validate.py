@@ -293,8 +293,8 @@ def measure_steps(
            "OFF -- the plugin turns them off on GPU until the tree-mask verify capture lands "
            f"(its log says {GRAPHS_OFF_LINE!r}); the no-speculation and DFLASH rows keep "
            "theirs, so DDTREE is measured at a disadvantage"),
-        "DDTREE auto (budget control) row: not run -- budget control is not in the SGLang "
-        "worker yet",
+        "DDTREE auto (budget control): the throughput step's ddtree:auto rows show the budgets "
+        "chosen per concurrency and the latency model's step-time error (from /metrics)",
         "the servers' own logs: CUDA graph state is checked by "
         "test_ddtree_cuda_graphs_are_what_the_plugin_says (gpu_exactness.xml)",
         "flashinfer JIT-compiles its kernels on first use unless its cubins are installed; "

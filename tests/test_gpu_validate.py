@@ -78,7 +78,7 @@ def test_dry_run_keeps_to_thirty_minutes_and_states_cuda_graphs(dry_run):
         assert "CUDA graphs for DDTREE: on" in result.stdout
     else:
         assert "CUDA graphs for DDTREE: OFF" in result.stdout
-    assert "budget control is not in the SGLang worker yet" in result.stdout
+    assert "DDTREE auto (budget control): the throughput step's ddtree:auto rows" in result.stdout
 
 
 def test_dry_run_writes_the_result_skeleton(dry_run):
