@@ -110,7 +110,7 @@ def plan(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
         items.append(
             {
                 "index": i,
-                "rid": f"soak-{args.seed}-{i}",
+                "rid": f"soak-{args.seed}-{i:07d}",  # fixed width: SGLang aborts every rid it prefixes
                 "kind": kind,
                 "payload": {"input_ids": prompt[-length:], "sampling_params": params, **extra},
                 "abort": abort,
