@@ -89,7 +89,7 @@ class DDTreeMetrics:
 
 def _total(stats: ControlStats, which: str) -> float:
     mean = stats.mean_predicted_accept if which == "predicted" else stats.mean_observed_accept
-    return mean * stats.request_steps
+    return round(mean * stats.request_steps, 6)  # a count of accepted tokens stays a whole number
 
 
 def read_ddtree_metrics(text: str) -> dict[str, float]:
