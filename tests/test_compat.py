@@ -16,6 +16,7 @@ import pytest
 
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
+from sglang_tree_spec.plugin.validation import GRAMMAR_FIELDS
 
 INSTALLED = compat.check_release()
 OTHER = next(release for release in compat.RELEASES if release != INSTALLED)
@@ -178,6 +179,8 @@ def test_a_real_req_has_the_attributes_the_worker_reads():
     req = Req("rid-1", "", [1, 2, 3], SamplingParams(), extra_key="tenant-a", **salted)
     for name in (*compat.REQ_ATTRIBUTES, *compat.ISOLATION_KEY[INSTALLED]):
         assert hasattr(req, name), name
+    for name in GRAMMAR_FIELDS:  # what the refusal of constrained requests reads
+        assert hasattr(req.sampling_params, name), name
     assert compat.isolation_key(req) == ("tenant-a", *salted.values())
     plain = Req("rid-2", "", [1, 2, 3], SamplingParams(), extra_key="")
     assert compat.isolation_key(plain) == (None,) * len(compat.ISOLATION_KEY[INSTALLED])

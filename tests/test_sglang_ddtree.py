@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile_requests import assert_refused_and_still_serving
+from hostile_requests import assert_refused_and_still_serving, constrained_requests
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -177,19 +177,49 @@ def context_filling(pair: dict[str, Path]) -> list[tuple[list[int], int]]:
     return [(tokens[-(context - 1 - new) :], new) for new in (6, 13, 23)]
 
 
+def stop_cases(
+    tokenizer: AutoTokenizer, prompts: list[list[int]], outputs: list[list[int]]
+) -> list[tuple[list[int], dict]]:
+    """Greedy requests that stop inside the output: a stop string completed a few tokens
+    before ``max_new_tokens`` (one accepted run can cross both), and a stop token followed by
+    a stop string (one run can hold both), taken from the no-speculation outputs."""
+    cases = []
+    for prompt, output in zip(prompts[:8], outputs[:8], strict=True):
+        for k in (6, 13, 20, 27):
+            text = tokenizer.decode(output[k - 1 : k + 1])
+            if text.strip() and "\ufffd" not in text:
+                cases.append((prompt, {"stop": [text], "max_new_tokens": k + 3}))
+            after = tokenizer.decode(output[k + 1 : k + 3])
+            if after.strip() and "\ufffd" not in after:
+                cases.append((prompt, {"stop_token_ids": [output[k]], "stop": [after]}))
+    return cases
+
+
+def stop_replies(server: Server, cases: list[tuple[list[int], dict]]) -> list[tuple]:
+    """Each case's output and finish reason, 8 at once."""
+    with ThreadPoolExecutor(8) as pool:
+        replies = pool.map(lambda case: server.generate(case[0], **case[1]), cases)
+        return [(r["output_ids"], r["meta_info"]["finish_reason"]) for r in replies]
+
+
 @pytest.fixture(scope="module")
 def baseline(pair, prompts, context_filling, tmp_path_factory) -> dict[str, object]:
-    """No speculation: greedy outputs one at a time and 8 at once, the chat reply, and the
-    outputs that fill the context."""
+    """No speculation: greedy outputs one at a time and 8 at once, the chat reply, the
+    outputs that fill the context, and the stop cases made from the first outputs."""
     import sglang  # noqa: F401  (fail, not skip, without SGLang)
 
     log = tmp_path_factory.mktemp("baseline") / "server.log"
+    tokenizer = AutoTokenizer.from_pretrained(pair["target"])
     for server in running_server(server_command(pair, free_port(), None), log):
+        sequential = server.greedy(prompts, 1)
+        cases = stop_cases(tokenizer, prompts, sequential)
         return {
-            "sequential": server.greedy(prompts, 1),
+            "sequential": sequential,
             "concurrent": server.greedy(prompts, 8),
             "chat": server.chat(),
             "to_context": server.fill_context(context_filling),
+            "stop_cases": cases,
+            "stops": stop_replies(server, cases),
         }
     raise AssertionError("unreachable")
 
@@ -223,6 +253,21 @@ def test_ddtree_greedy_equals_no_speculation_eight_at_once(ddtree_server, prompt
     assert tokens / verifies > MIN_MEAN_ACCEPT_LENGTH  # deep trees, not depth-1 acceptance
 
 
+def test_ddtree_stops_where_no_speculation_stops(ddtree_server, baseline):
+    """Stop strings and stop tokens inside one accepted run finish as one-token decoding does
+    (hook 0015): same output and finish reason as no speculation."""
+    assert len(baseline["stop_cases"]) >= 40
+    near_the_end = [  # stopped by a string two tokens before max_new_tokens
+        output
+        for (_, params), (output, reason) in zip(
+            baseline["stop_cases"], baseline["stops"], strict=True
+        )
+        if reason["type"] == "stop" and len(output) == params.get("max_new_tokens", 0) - 2
+    ]
+    assert len(near_the_end) >= 8
+    assert stop_replies(ddtree_server, baseline["stop_cases"]) == baseline["stops"]
+
+
 def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context_filling, baseline):
     """A step reserves 2 x (budget + 1) KV slots past the committed tokens (18 at budget 8,
     66 at 32), more than SGLang's default row headroom of 4 + budget + 1: the row holds them
@@ -235,9 +280,9 @@ def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context
 
 
 def test_ddtree_refuses_hostile_requests_and_keeps_serving(ddtree_server, pair, prompts, baseline):
-    """Issue 19 under DDTREE: an input id outside the vocabulary (or negative) killed the server;
-    now every hostile request gets a 4xx, and a greedy request before, between and after them
-    gets the no-speculation output."""
+    """Issue 19 under DDTREE: an input id outside the vocabulary (or negative), or a
+    grammar-constrained request, killed the server; now every hostile request gets a 4xx, and
+    a greedy request before, between and after them gets the no-speculation output."""
     vocab = json.loads((pair["target"] / "config.json").read_text())["vocab_size"]
     expected = baseline["sequential"][0][:8]
 
@@ -246,7 +291,9 @@ def test_ddtree_refuses_hostile_requests_and_keeps_serving(ddtree_server, pair, 
         assert output == expected
         return output
 
-    assert_refused_and_still_serving(ddtree_server.base_url, vocab, reference)
+    assert_refused_and_still_serving(
+        ddtree_server.base_url, vocab, reference, extra=tuple(constrained_requests())
+    )
 
 
 def test_ddtree_accepts_more_than_one_token_per_step(ddtree_server, prompts):

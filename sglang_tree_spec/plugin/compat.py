@@ -106,9 +106,17 @@ WORKER_ATTRIBUTES = (
     "model_runner",
 )
 
-# Attributes of SGLang's scheduler ``Req`` the DDTREE worker reads (checked on a real Req by
-# tests/test_compat.py).
-REQ_ATTRIBUTES = ("rid", "origin_input_ids", "sampling_params", "extra_key", "finished")
+# Attributes of SGLang's scheduler ``Req`` the DDTREE worker and the finish hook (finish.py) read
+# (checked on a real Req by tests/test_compat.py).
+REQ_ATTRIBUTES = (
+    "rid",
+    "origin_input_ids",
+    "sampling_params",
+    "extra_key",
+    "finished",
+    "output_ids",
+    "grammar",
+)
 
 # The Req attributes SGLang separates prefix caches by, per release: the isolation key of
 # ``--speculative-ddtree-table per-key``. 0.5.17 folds the OpenAI ``cache_salt`` (and a LoRA

@@ -96,6 +96,12 @@ def _refuse_out_of_vocab_input_ids() -> Callable[..., None]:
     return refuse_out_of_vocab_input_ids
 
 
+def _finish_state_token_by_token() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.finish import update_finish_state_token_by_token
+
+    return update_finish_state_token_by_token
+
+
 def _ddtree_verify_graph_runner() -> Callable[..., type]:
     from sglang_tree_spec.plugin.graphs import ddtree_decode_graph_runner_cls
 
@@ -149,6 +155,15 @@ HOOKS: tuple[Hook, ...] = (
         patch="0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff",
         reason="input_ids outside [0, vocab_size) reach the embedding unchecked and kill the "
         "scheduler (any server, speculative or not); refuse them at admission (HTTP 400)",
+    ),
+    Hook(
+        target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
+        kind="AROUND",
+        make=_finish_state_token_by_token,
+        patch="0015-finish-state-token-by-token.diff",
+        reason="a speculative step's accepted run is checked for its finish once, length first "
+        "and stop strings before stop tokens: a run crossing max_new_tokens runs past a stop "
+        "string, and EOS before a stop string is missed; check the run token by token",
     ),
     Hook(
         target="sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__",
@@ -246,6 +261,15 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0012-req-to-token-row-holds-the-decode-reservation.diff"],
     _BY_PATCH["0013-dflash-refuses-penalties.diff"],
     _BY_PATCH["0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff"],
+    Hook(
+        target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
+        kind="AROUND",
+        make=_finish_state_token_by_token,
+        patch="0015-finish-state-token-by-token.diff",
+        reason="a speculative step's accepted run is checked for its finish once, stop strings "
+        "before stop tokens: EOS before a stop string in one run is missed (0.5.23 already "
+        "checks stops before the length); check the run token by token",
+    ),
     _BY_PATCH["0002-rotary-native-on-cpu.diff"],
     _BY_PATCH["0005-native-kv-move-on-cpu.diff"],
     Hook(
