@@ -66,6 +66,39 @@ def hostile_requests(vocab_size: int) -> list[Hostile]:
     ]
 
 
+def constrained_requests() -> list[Hostile]:
+    """Grammar-constrained requests, refused by a DDTREE server (the tree step does not mask
+    its nodes by a grammar; before the refusal, one such request killed the scheduler)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    refused = "does not support constrained decoding"
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    return [
+        Hostile(
+            "json_schema",
+            "/generate",
+            {"input_ids": [5, 6], "sampling_params": {**GREEDY, "json_schema": json.dumps(schema)}},
+            f"{refused} (json_schema)",
+        ),
+        Hostile(
+            "regex",
+            "/generate",
+            {"input_ids": [5, 6], "sampling_params": {**GREEDY, "regex": "[ab]+"}},
+            f"{refused} (regex)",
+        ),
+        Hostile(
+            "response_format",
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "response_format": response_format,
+            },
+            refused,
+        ),
+    ]
+
+
 def refusal(base_url: str, request: Hostile, timeout: float = 120.0) -> tuple[int, str]:
     """POST ``request``; its HTTP error status and reply (a success fails the test)."""
     data = request.body if isinstance(request.body, bytes) else json.dumps(request.body).encode()
@@ -82,12 +115,15 @@ def refusal(base_url: str, request: Hostile, timeout: float = 120.0) -> tuple[in
 
 
 def assert_refused_and_still_serving(
-    base_url: str, vocab_size: int, reference: Callable[[], object]
+    base_url: str,
+    vocab_size: int,
+    reference: Callable[[], object],
+    extra: tuple[Hostile, ...] = (),
 ) -> None:
-    """Every hostile request gets a 4xx naming its reason; after each, ``reference()`` returns
-    what it returned before them all."""
+    """Every hostile request (and every one of ``extra``) gets a 4xx naming its reason; after
+    each, ``reference()`` returns what it returned before them all."""
     expected = reference()
-    for request in hostile_requests(vocab_size):
+    for request in [*hostile_requests(vocab_size), *extra]:
         status, message = refusal(base_url, request)
         assert 400 <= status < 500, (request.name, status, message)
         assert request.reason in message, (request.name, message)

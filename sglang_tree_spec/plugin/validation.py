@@ -281,7 +281,8 @@ def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> st
     SGLang's own reasons name DDTREE instead of DFLASH. ``return_logprob`` (refused by SGLang
     0.5.17's DFLASH), penalties and ``min_new_tokens`` are served exactly: the worker reads the
     committed tokens' log-probs from the verify logits and penalises every tree node by its
-    own path (:mod:`sglang_tree_spec.plugin.penalties`). Mirrored by
+    own path (:mod:`sglang_tree_spec.plugin.penalties`). Grammar-constrained requests are
+    refused (:func:`constrained_decoding_error`). Mirrored by
     ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
@@ -290,7 +291,24 @@ def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> st
         return error
     if error is not None and not (req.return_logprob and "return_logprob" in error):
         return error.replace("DFLASH", ALGORITHM)
-    return None
+    return constrained_decoding_error(req.sampling_params)
+
+
+# SamplingParams fields that make SGLang build a grammar for the request.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def constrained_decoding_error(sampling_params: Any) -> str | None:
+    """The refusal of a grammar-constrained request (a JSON schema, an OpenAI
+    ``response_format``, a regex, EBNF or a structural tag): the tree step cannot mask its
+    nodes by the grammar yet, and the request must not reach it."""
+    used = [name for name in GRAMMAR_FIELDS if getattr(sampling_params, name, None)]
+    if not used:
+        return None
+    return (
+        f"{ALGORITHM} speculative decoding does not support constrained decoding "
+        f"({', '.join(used)}) yet."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
