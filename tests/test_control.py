@@ -264,21 +264,44 @@ def roofline_controller(budgets=(0, 4, 8, 16, 32, 64), **kwargs):
 
 
 def test_choice_useless_drafter_picks_plain_decode_and_stops_drafting():
-    """The model prefers plain steps: the drafter is skipped except every ``probe_every``-th
-    step, which re-forecasts and, its draft paid for, verifies at the cheapest budget > 0."""
+    """The model prefers plain steps: the drafter is skipped except for probes, which
+    re-forecast and, their draft paid for, verify at the cheapest budget > 0; each probe that
+    still prefers plain steps doubles the interval (4, 8, then 8 at the cap)."""
     for bs in (1, 16):
-        ctl = roofline_controller(probe_every=4)
+        ctl = roofline_controller(probe_every=4, probe_max_every=8)
         tree = strong_or_useless_tree(bs, strong=False)
         fc = ctl.forecast(torch.arange(bs), tree.logprobs, tree.depths, tree.valid)
-        assert ctl.should_draft(2)
+        assert ctl.should_draft(bs)
         assert ctl.choose(fc, bs) == 4  # drafted: verified, but plain steps follow
         drafted, chosen = [], []
-        for _ in range(8):
-            drafted.append(ctl.should_draft(2))
+        for _ in range(20):
+            drafted.append(ctl.should_draft(bs))
             chosen.append(ctl.choose(fc if drafted[-1] else None, bs))
-        assert drafted == [False, False, False, True] * 2  # re-forecast every 4th step
-        assert chosen == [0, 0, 0, 4] * 2
-        assert ctl.stats().budget_counts == {0: 6, 4: 3}
+        probes = [False] * 3 + [True] + ([False] * 7 + [True]) * 2
+        assert drafted == probes
+        assert chosen == [4 if probe else 0 for probe in probes]
+        assert ctl.stats().budget_counts == {0: 17, 4: 4}
+
+
+def test_a_probe_that_prefers_drafting_ends_the_plain_run():
+    """After plain steps, a probe whose forecast pays for drafting drafts again at once; the
+    next plain run starts over at the shortest probe interval."""
+    ctl = roofline_controller(probe_every=2, probe_max_every=64)
+    useless, strong = (strong_or_useless_tree(1, strong=s) for s in (False, True))
+    plain_fc, strong_fc = (
+        ctl.forecast(torch.arange(1), t.logprobs, t.depths, t.valid) for t in (useless, strong)
+    )
+    trace = []
+    for forecast in (plain_fc, plain_fc, plain_fc, strong_fc, plain_fc):
+        while not ctl.should_draft(1):
+            trace.append(ctl.choose(None, 1))
+        trace.append(ctl.choose(forecast, 1))
+    # plain after the first forecast; probes after 2, 4 then 8 steps; the strong probe drafts
+    # (no plain step before the next forecast); a new plain run probes after 2 steps again.
+    assert trace[:7] == [4, 0, 4, 0, 0, 0, 4] and trace[7:14] == [0] * 7
+    assert trace[14] >= 32 and trace[15] == 4 and len(trace) == 16
+    assert ctl.should_draft(1) is False
+    assert [ctl.choose(None, 1), ctl.should_draft(1)] == [0, True]
 
 
 def test_choice_free_verification_and_strong_drafter_picks_max_budget():

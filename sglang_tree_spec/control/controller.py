@@ -57,9 +57,12 @@ class ControlConfig:
     budgets: sorted candidate budgets (use :func:`candidate_budgets`); 0 = plain decode.
     fixed_budget: None = auto; a number = always that budget (no reads, no latency needed).
     max_depth: L, drafted positions per step (the drafter's block - 1).
-    probe_every: while auto prefers plain steps (budget 0), draft (and re-forecast) every
-        this many steps; that step verifies at the best budget > 0 (its draft is paid for),
-        which also keeps the drafted cells' step times fresh.
+    probe_every: while auto prefers plain steps (budget 0), draft (and re-forecast) after this
+        many steps; that probe verifies at the best budget > 0 (its draft is paid for), which
+        also keeps the drafted cells' step times fresh. Each probe that still prefers plain
+        steps doubles the interval, up to ``probe_max_every`` (a useless drafter then costs one
+        probe in ``probe_max_every`` steps); a probe that prefers drafting ends the plain run.
+    probe_max_every: the longest interval between probes.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
@@ -73,7 +76,8 @@ class ControlConfig:
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
     fixed_budget: int | None = None
     max_depth: int = 15
-    probe_every: int = 16
+    probe_every: int = 4
+    probe_max_every: int = 64
     profile_steps: int = 0
     explore_every: int = 0
     tie_rtol: float = 1e-6
@@ -83,6 +87,11 @@ class ControlConfig:
         budgets = list(self.budgets)
         if not budgets or budgets != sorted(set(budgets)) or budgets[0] < 0:
             raise ValueError(f"budgets must be sorted, distinct and >= 0: {self.budgets}")
+        if not 1 <= self.probe_every <= self.probe_max_every:
+            raise ValueError(
+                f"need 1 <= probe_every <= probe_max_every: {self.probe_every}, "
+                f"{self.probe_max_every}"
+            )
         if self.fixed_budget is not None and self.fixed_budget < 0:
             raise ValueError(f"fixed_budget must be >= 0, got {self.fixed_budget}")
 
@@ -165,6 +174,7 @@ class BudgetController:
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
+        self._probe_interval = config.probe_every  # steps from one probe to the next
         self._steps_since_draft = 0
         self._drafted_steps = 0  # drafted auto steps after the profile
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
@@ -192,15 +202,16 @@ class BudgetController:
         return min(budgets, key=lambda b: stamps.get(b, -1))
 
     def should_draft(self, bs: int) -> bool:
-        """Host only. False while auto keeps choosing 0 (except every ``probe_every`` steps)
-        or profiles budget 0: a plain decode step then skips the drafter entirely."""
+        """Host only. False while auto keeps choosing 0 (except for its probes, see
+        ``ControlConfig.probe_every``) or profiles budget 0: a plain decode step then skips
+        the drafter entirely."""
         if not self.auto:
             return self.config.fixed_budget > 0
         if self._to_profile(bs) is not None:
             return self._to_profile(bs) != 0
         if self.last_budget != 0 and not self._plain:
             return True
-        return self._steps_since_draft + 1 >= self.config.probe_every
+        return self._steps_since_draft + 1 >= self._probe_interval
 
     def forecast(
         self,
@@ -231,8 +242,9 @@ class BudgetController:
         Auto with a forecast: ONE host read of the ``[C]`` batch totals sum_i (1 + A_i(N)),
         then the argmax of totals / C(bs, N) on the host. Candidates above the tree's size are
         skipped. When that argmax is 0 (plain steps pay more than drafting returns), the
-        following steps skip the drafter until the next probe, and this step, whose draft is
-        paid for, verifies at the best budget > 0. ``forecast=None`` (a step that did not
+        following steps skip the drafter until the next probe (at growing intervals while the
+        probes keep preferring 0), and this step, whose draft is paid for, verifies at the
+        best budget > 0. ``forecast=None`` (a step that did not
         draft): 0. Fixed mode: the fixed budget, no read.
         """
         if not self.auto:
@@ -258,8 +270,13 @@ class BudgetController:
             tie_rtol=self.config.tie_rtol,
         )
         best = choice()
-        self._plain = best == 0
-        return self._count(choice(min_budget=1) if self._plain else best)
+        if best != 0:
+            self._plain, self._probe_interval = False, self.config.probe_every
+            return self._count(best)
+        if self._plain:  # a probe that still prefers plain steps: probe less often
+            self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
+        self._plain = True
+        return self._count(choice(min_budget=1))
 
     def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
         """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
