@@ -1,10 +1,11 @@
 """Benchmark: a real SGLang server at concurrency 1-16: no speculation, the chain, DDTREE.
 
 For each configuration one server is started with SGLang's own launcher (``--enable-metrics``),
-warmed up, then sent the same held-out prompts at each concurrency (greedy, fixed output length,
-streamed). Per round: output tokens/s (generated tokens over the round's wall time), SGLang's
-accept length tau (tokens per verify step, bonus included), time to first token and the gaps
-between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures them), and for DDTREE
+then sent the same held-out prompts at each concurrency (greedy, fixed output length, streamed),
+each round after an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`).
+Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
+tau (tokens per verify step, bonus included), time to first token and the gaps between streamed
+chunks (p50 / p99, as ``sglang.bench_serving`` measures them), and for DDTREE
 the round's window of the server's ``sglang:ddtree_*`` metrics: the budgets chosen, the
 calibrated predicted vs observed accept length, and the latency model's step-time error.
 Ratios are against ``none`` measured in the same run; every configuration's greedy outputs are
@@ -212,6 +213,15 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def warm_up(base_url: str, prompts: list[list[int]], new_tokens: int) -> None:
+    """One unmeasured wave at the round's concurrency (``len(prompts)`` requests at once), for
+    every configuration alike: a server's first steps at a batch size are not its steady
+    state (under ``ddtree:auto`` they are the in-line profile of that batch-size bucket, a
+    once-per-server cost that would otherwise land in a short round)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: stream_one(base_url, p, new_tokens), prompts))
+
+
 def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], log: Path) -> list:
     port = free_port()
     process = launch(server_command(args, config, port), log, plugins="ddtree")
@@ -220,9 +230,11 @@ def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], log
         wait_until_healthy(base_url, process, log)
         total = len(prompts) * len(args.concurrency)
         with tqdm(total=total, desc=f"{config:>14}", unit="req", file=sys.stdout) as bar:
-            with ThreadPoolExecutor(2) as pool:  # warm-up
-                list(pool.map(lambda p: stream_one(base_url, p, 8), prompts[:2]))
-            return [run_round(base_url, prompts, c, args.new_tokens, bar) for c in args.concurrency]
+            rounds = []
+            for c in args.concurrency:
+                warm_up(base_url, prompts[:c], args.new_tokens)
+                rounds.append(run_round(base_url, prompts, c, args.new_tokens, bar))
+            return rounds
     finally:
         stop(process)
 
