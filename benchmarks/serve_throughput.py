@@ -1,8 +1,10 @@
 """Benchmark: a real SGLang server at concurrency 1-16: no speculation, the chain, DDTREE.
 
-For each configuration one server is started with SGLang's own launcher (``--enable-metrics``),
-then sent the same held-out prompts at each concurrency (greedy, fixed output length, streamed),
-each round after an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`).
+Every configuration's server is started with SGLang's own launcher (``--enable-metrics``,
+``--sleep-on-idle``) and kept up (on a GPU one configuration at a time); at each concurrency
+each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`), then
+``--repeats`` waves of the same held-out prompts (greedy, fixed output length, streamed),
+interleaved across configurations (:func:`measure`).
 Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
 tau (tokens per verify step, bonus included), time to first token and the gaps between streamed
 chunks (p50 / p99, as ``sglang.bench_serving`` measures them), and for DDTREE
@@ -59,6 +61,7 @@ QUICK = {  # --quick: the README's run command, a few minutes on 2 CPU cores
     "configs": ["none", "chain", "ddtree:auto"],
     "prompts": 16,
     "new_tokens": 32,
+    "repeats": 1,
     "out": DEFAULT_OUT.with_name("serve_throughput_cpu_quick.json"),
 }
 
@@ -100,6 +103,7 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
         "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0",
         "--max-running-requests", str(max(args.concurrency)),
         "--max-total-tokens", str(args.max_total_tokens), "--enable-metrics",
+        "--sleep-on-idle",  # every configuration's server is up at once; idle ones sleep
     ]  # fmt: skip
     drafter = ["--speculative-draft-model-path", str(args.drafter)]
     if config == "dflash":
@@ -177,35 +181,39 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
 
-def run_round(
-    base_url: str, prompts: list[list[int]], concurrency: int, new_tokens: int, bar: tqdm
-) -> dict:
-    """All prompts at ``concurrency`` requests in flight."""
-
-    def one(prompt: list[int]) -> dict:
-        reply = stream_one(base_url, prompt, new_tokens)
-        bar.update(1)
-        return reply
-
-    before = ddtree_metrics(base_url)
+def run_wave(base_url: str, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    """All prompts at ``concurrency`` requests in flight: the replies and the wall time."""
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(one, prompts))
-    wall = time.perf_counter() - start
+        replies = list(pool.map(lambda p: stream_one(base_url, p, new_tokens), prompts))
+    return {"replies": replies, "wall": time.perf_counter() - start}
+
+
+def summarise(concurrency: int, waves: list[dict], control: dict) -> dict:
+    """One table row's figures from the repeated waves of a configuration at a concurrency:
+    output tokens/s over all of them (total tokens / total wall time), the pooled latencies,
+    and the first wave's outputs (every repeat must give the same)."""
+    replies = [reply for wave in waves for reply in wave["replies"]]
+    wall = sum(wave["wall"] for wave in waves)
     generated = sum(len(reply["output_ids"]) for reply in replies)
     taus = [r["meta"].get("spec_accept_length") for r in replies]
     taus = [t for t in taus if t is not None]
     gaps = sorted(g for r in replies for g in r["gaps"])
+    outputs = [[r["output_ids"] for r in wave["replies"]] for wave in waves]
     return {
         "concurrency": concurrency,
         "output_tokens_per_s": round(generated / wall, 2),
         "wall_s": round(wall, 3),
+        "repeats_tokens_per_s": [
+            round(sum(len(r["output_ids"]) for r in w["replies"]) / w["wall"], 2) for w in waves
+        ],
         "tau": round(statistics.mean(taus), 3) if taus else 1.0,
         "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in replies), 1),
         "itl_p50_ms": round(1000 * _quantile(gaps, 0.5), 2) if gaps else None,
         "itl_p99_ms": round(1000 * _quantile(gaps, 0.99), 2) if gaps else None,
-        "control": control_summary(before, ddtree_metrics(base_url)),
-        "outputs": [reply["output_ids"] for reply in replies],
+        "control": control,
+        "outputs": outputs[0],
+        "repeats_agree": all(o == outputs[0] for o in outputs),
     }
 
 
@@ -218,25 +226,47 @@ def warm_up(base_url: str, prompts: list[list[int]], new_tokens: int) -> None:
     every configuration alike: a server's first steps at a batch size are not its steady
     state (under ``ddtree:auto`` they are the in-line profile of that batch-size bucket, a
     once-per-server cost that would otherwise land in a short round)."""
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda p: stream_one(base_url, p, new_tokens), prompts))
+    run_wave(base_url, prompts, len(prompts), new_tokens)
 
 
-def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], log: Path) -> list:
-    port = free_port()
-    process = launch(server_command(args, config, port), log, plugins="ddtree")
+def measure(
+    args: argparse.Namespace, configs: list[str], prompts: list[list[int]], logs: Path
+) -> dict[str, list]:
+    """The ``configs``' servers up at once (idle ones asleep), then per concurrency: a
+    warm-up wave on each, and ``--repeats`` measured waves per configuration, interleaved
+    (the order rotating each repeat) so that drifts of this machine's speed fall on every
+    configuration alike. Returns each configuration's rows, one per concurrency."""
+    servers: dict[str, tuple[Any, str]] = {}
     try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(base_url, process, log)
-        total = len(prompts) * len(args.concurrency)
-        with tqdm(total=total, desc=f"{config:>14}", unit="req", file=sys.stdout) as bar:
-            rounds = []
+        for config in configs:
+            port = free_port()
+            log = logs / f"{config.replace(':', '_')}.log"
+            process = launch(server_command(args, config, port), log, plugins="ddtree")
+            servers[config] = (process, f"http://127.0.0.1:{port}")
+            wait_until_healthy(servers[config][1], process, log)
+        results: dict[str, list] = {config: [] for config in configs}
+        total = len(configs) * len(args.concurrency) * args.repeats
+        with tqdm(total=total, desc="rounds", unit="round", file=sys.stdout) as bar:
             for c in args.concurrency:
-                warm_up(base_url, prompts[:c], args.new_tokens)
-                rounds.append(run_round(base_url, prompts, c, args.new_tokens, bar))
-            return rounds
+                before = {}
+                for config, (_, url) in servers.items():
+                    warm_up(url, prompts[:c], args.new_tokens)
+                    before[config] = ddtree_metrics(url)
+                waves: dict[str, list] = {config: [] for config in configs}
+                for repeat in range(args.repeats):
+                    shift = repeat % len(configs)
+                    for config in configs[shift:] + configs[:shift]:
+                        bar.set_postfix_str(f"conc {c} {config}")
+                        url = servers[config][1]
+                        waves[config].append(run_wave(url, prompts, c, args.new_tokens))
+                        bar.update(1)
+                for config, (_, url) in servers.items():
+                    control = control_summary(before[config], ddtree_metrics(url))
+                    results[config].append(summarise(c, waves[config], control))
+        return results
     finally:
-        stop(process)
+        for process, _ in servers.values():
+            stop(process)
 
 
 def table_rows(results: dict[str, list]) -> list[dict]:
@@ -270,7 +300,9 @@ def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         f"Output tokens/s through a real SGLang {env.get('sglang', '')} server on "
         f"{env['device']} ({env['target']}); greedy, {env['prompts']} prompts of "
-        f"{env['prompt_tokens']} tokens, {env['new_tokens']} new tokens each. `x none`: ratio "
+        f"{env['prompt_tokens']} tokens, {env['new_tokens']} new tokens each, "
+        f"{env.get('repeats', 1)} measured wave(s) per configuration and concurrency, "
+        "interleaved across configurations (tok/s over all of them). `x none`: ratio "
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
         "predicted vs observed accept length; C err: latency model's mean step-time error.",
@@ -361,6 +393,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
+        "--repeats", type=int, default=2, help="measured waves per configuration and concurrency"
+    )
+    parser.add_argument(
         "--random-drafter",
         action="store_true",
         help="replace the drafter's weights by random ones (a drafter that is no use)",
@@ -385,10 +420,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"server logs: {logs}", flush=True)
     if args.random_drafter:
         args.drafter = random_drafter(args.drafter, logs / "random-drafter")
-    results = {
-        config: measure(args, config, prompts, logs / f"{config.replace(':', '_')}.log")
-        for config in args.configs
-    }
+    if args.device == "cpu":
+        results = measure(args, args.configs, prompts, logs)
+    else:  # a GPU holds one server's weights and KV pool at a time
+        results = {}
+        for config in args.configs:
+            results |= measure(args, [config], prompts, logs)
     rows = table_rows(results)
     env = environment(args.device, args.dtype) | {
         "target": str(args.target),
@@ -396,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
         "attention_backend": args.attention_backend,
         "command": command_line("benchmarks/serve_throughput.py", argv),
     }

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tree_helpers import random_marginals
 
-from sglang_tree_spec.plugin.cpu import verify_attention
+from sglang_tree_spec.plugin.cpu import verify_attention, verify_index
 from sglang_tree_spec.tree import build_ddtree, build_verify_layout, write_full_mask
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -54,10 +54,11 @@ def test_verify_attention_matches_a_naive_loop(mode):
 
     out = torch.empty_like(query)
     scale = DIM**-0.5
-    verify_attention(
-        query, out, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
-        flat_mask=flat, causal=mode != "bidirectional", scale=scale, enable_gqa=True,
+    index = verify_index(
+        req_to_token, req_pool_indices, prefix_lens, window,
+        flat_mask=flat, causal=mode != "bidirectional",
     )  # fmt: skip
+    verify_attention(query, out, k_cache, v_cache, index, scale=scale, enable_gqa=True)
 
     for b in range(bs):
         prefix = int(prefix_lens[b])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -228,56 +228,76 @@ def tree_verify_torch_backend() -> type:
             heads, kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
             query = q.reshape(-1, heads, layer.qk_head_dim)  # [bs * W, H, D]
             out = q.new_empty(query.shape[0], heads, layer.v_head_dim)
-            bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
-            mask = forward_batch.spec_info.custom_mask if not bidirectional else None
             verify_attention(
                 query,
                 out,
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                self.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
-                forward_batch.seq_lens,
-                flat_mask=mask,
-                causal=not bidirectional,
+                self._verify_index(layer, forward_batch, query.shape[0]),
                 scale=layer.scaling,
                 enable_gqa=heads != kv_heads,
             )
             return out.view(out.shape[0], -1)
 
+        def _verify_index(self, layer: Any, forward_batch: Any, tokens: int) -> VerifyIndex:
+            """The forward's :func:`verify_index`, computed at its first layer: layers run in
+            increasing ``layer_id``, so a ``layer_id`` not above the last one (or another
+            batch, or another mask kind) starts a new forward, replayed graphs included."""
+            bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
+            key = (id(forward_batch), bidirectional)
+            cached = getattr(self, "_ddtree_verify", None)
+            if cached is None or cached[0] != key or layer.layer_id <= cached[1]:
+                bs = forward_batch.seq_lens.shape[0]
+                index = verify_index(
+                    self.req_to_token_pool.req_to_token,
+                    forward_batch.req_pool_indices,
+                    forward_batch.seq_lens,
+                    tokens // bs,
+                    flat_mask=None if bidirectional else forward_batch.spec_info.custom_mask,
+                    causal=not bidirectional,
+                )
+                cached = (key, layer.layer_id, index)
+            self._ddtree_verify = (key, layer.layer_id, cached[2])
+            return cached[2]
+
     return TreeVerifyTorchNativeAttnBackend
 
 
-def verify_attention(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+class VerifyIndex(NamedTuple):
+    """What every layer of one verify forward shares (:func:`verify_index`).
+
+    Attributes:
+        slots: ``[bs, K]`` KV slot of each request's column ``k < prefix + W`` (0 past it),
+            ``K`` the longest ``prefix + W``.
+        allowed: ``[bs, 1, W, K]`` which columns each window token attends to.
+    """
+
+    slots: torch.Tensor
+    allowed: torch.Tensor
+
+
+def verify_index(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
+    window: int,
     *,
     flat_mask: torch.Tensor | None,
     causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> None:
-    """Attention of every request's ``W`` verify tokens over its prefix and window.
-
-    One batched SDPA call: every request's KV is gathered to the longest ``prefix + W`` and the
-    columns past a request's own length are masked out.
+) -> VerifyIndex:
+    """The KV gather and the mask of every request's ``W`` verify tokens, once per forward
+    (the same for every layer; computing it per layer cost more than the attention itself at
+    small batches on CPU).
 
     Args:
-        query: ``[bs * W, H, D]``; out: ``[bs * W, H, Dv]``, written in place.
-        k_cache, v_cache: ``[slots, H_kv, D]`` KV pools; the window's KV is already written
-            at ``req_to_token[req, prefix : prefix + W]``.
+        req_to_token: ``[rows, context]`` KV slots per request row; the window's KV is
+            written at ``req_to_token[req, prefix : prefix + W]``.
         prefix_lens: ``[bs]`` cached tokens before the window.
         flat_mask: SGLang FULL_MASK (True = may attend) or None.
         causal: without a mask, window token ``i`` sees window tokens ``<= i``; else all.
     """
     bs = prefix_lens.shape[0]
-    window = query.shape[0] // bs
-    device = query.device
+    device = prefix_lens.device
     kv_lens = prefix_lens.to(torch.long) + window  # [bs]
     max_kv = int(kv_lens.max())
     columns = torch.arange(max_kv, device=device)  # [K]
@@ -298,12 +318,34 @@ def verify_attention(
     else:
         allowed = torch.ones(bs, window, max_kv, dtype=torch.bool, device=device)
     allowed = allowed & in_range[:, None, :]  # [bs, W, K]
+    return VerifyIndex(slots, allowed[:, None])
 
+
+def verify_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: VerifyIndex,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+) -> None:
+    """Attention of every request's ``W`` verify tokens over its prefix and window.
+
+    One batched SDPA call: every request's KV is gathered to the longest ``prefix + W`` and the
+    columns past a request's own length are masked out (``index``, :func:`verify_index`).
+
+    Args:
+        query: ``[bs * W, H, D]``; out: ``[bs * W, H, Dv]``, written in place.
+        k_cache, v_cache: ``[slots, H_kv, D]`` KV pools.
+    """
+    bs, _, window, _ = index.allowed.shape
     heads, dim = query.shape[1], query.shape[2]
     q = query.view(bs, window, heads, dim).transpose(1, 2)  # [bs, H, W, D]
-    k = k_cache[slots].transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
-    v = v_cache[slots].transpose(1, 2).to(q.dtype)
+    k = k_cache[index.slots].transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
+    v = v_cache[index.slots].transpose(1, 2).to(q.dtype)
     o = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=enable_gqa
+        q, k, v, attn_mask=index.allowed, scale=scale, enable_gqa=enable_gqa
     )  # [bs, H, W, Dv]
     out.copy_(o.transpose(1, 2).reshape(out.shape))
