@@ -19,6 +19,7 @@ from sglang_tree_spec.control import (
     candidate_budgets,
     dflash_drafter,
     expected_accept,
+    isotonic,
     roofline_step_seconds,
     top_nodes,
 )
@@ -304,6 +305,23 @@ def test_a_probe_that_prefers_drafting_ends_the_plain_run():
     assert [ctl.choose(None, 1), ctl.should_draft(1)] == [0, True]
 
 
+def test_a_plain_run_probes_once_the_batch_is_renewed():
+    """A plain run decided on one request's text does not outlive it: once as many requests
+    have arrived as the batch holds, the next step drafts (a probe, the interval unchanged)."""
+    for bs, arrivals in ((1, [1]), (4, [1, 2, 1])):
+        ctl = roofline_controller(probe_every=64, probe_max_every=64)
+        useless = strong_or_useless_tree(bs, strong=False)
+        fc = ctl.forecast(torch.arange(bs), useless.logprobs, useless.depths, useless.valid)
+        assert ctl.choose(fc, bs) == 4 and not ctl.should_draft(bs)  # a plain run starts
+        for n in arrivals:
+            assert not ctl.should_draft(bs)
+            ctl.choose(None, bs)
+            ctl.reset(torch.arange(n))
+        assert ctl.should_draft(bs)  # renewed: probe
+        assert ctl.choose(fc, bs) == 4 and not ctl.should_draft(bs)  # still useless: plain
+        assert ctl._probe_interval == 64
+
+
 def test_choice_free_verification_and_strong_drafter_picks_max_budget():
     budgets = (0, 4, 8, 16, 32, 64)
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
@@ -368,13 +386,41 @@ def test_profile_measures_every_candidate_before_choosing():
 
 def test_a_cell_keeps_the_minimum_of_its_first_samples_then_averages():
     """Warm-up and bursts of load only add time: the first ``min_samples`` keep their minimum
-    (a slow first forward does not stick), later ones move the EMA."""
+    (a slow first forward does not stick), later ones move the EMA, each clipped to
+    ``outlier_ratio`` times the cell (one interrupted step moves it by at most that)."""
     model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,))
     for seconds in (5.0, 0.2, 0.3):  # a slow first step (warm-up), then the real cost
         model.record(1, 8, seconds)
     assert model.seconds(1, 8) == pytest.approx(0.2)
-    model.record(1, 8, 0.7)
-    assert model.seconds(1, 8) == pytest.approx(0.2 + 0.2 * (0.7 - 0.2))
+    model.record(1, 8, 0.3)
+    assert model.seconds(1, 8) == pytest.approx(0.2 + 0.2 * (0.3 - 0.2))
+    model.record(1, 8, 5.0)  # an interrupted step counts as 2 x 0.22
+    assert model.seconds(1, 8) == pytest.approx(0.22 + 0.2 * (0.44 - 0.22))
+
+
+def test_isotonic_pools_decreasing_runs_by_weight():
+    assert isotonic([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
+    assert isotonic([1.0, 3.0, 2.0], [1, 1, 3]) == pytest.approx([1.0, 2.25, 2.25])
+    assert isotonic([4.0, 1.0, 1.0, 5.0], [2, 1, 1, 1]) == pytest.approx([2.5, 2.5, 2.5, 5.0])
+
+
+def test_a_row_never_predicts_a_bigger_tree_cheaper():
+    """A cell measured under a burst (budget 8 here) is pooled with the bigger budget measured
+    often, weighted by sample counts; an unmeasured cell's prior is clamped between its
+    measured neighbours. Without this, the burst keeps budget 8 unchosen until re-measured."""
+    budgets = (0, 4, 8, 16, 32)
+    model = LatencyModel([[1.0, 2.0, 3.0, 4.0, 100.0]], budgets, bs_buckets=(1,))
+    for _ in range(3):
+        model.record(1, 0, 0.006)
+        model.record(1, 8, 0.0135)  # a burst of load while budget 8 was profiled
+    for _ in range(8):
+        model.record(1, 16, 0.0105)
+    row = model.row(1)
+    assert row == sorted(row)
+    assert row[2] == row[3] == pytest.approx((3 * 0.0135 + 8 * 0.0105) / 11)
+    assert row[0] == pytest.approx(0.006)
+    assert row[0] <= row[1] <= row[2]  # unmeasured 4: between its measured neighbours
+    assert row[4] >= row[3]  # unmeasured 32: at least 16's
 
 
 def test_exploration_re_measures_the_stalest_budget():

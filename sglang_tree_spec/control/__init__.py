@@ -60,6 +60,7 @@ from sglang_tree_spec.control.latency import (
     ModelShape,
     dflash_drafter,
     forward_seconds,
+    isotonic,
     layer_params,
     roofline_step_seconds,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "dflash_drafter",
     "expected_accept",
     "forward_seconds",
+    "isotonic",
     "layer_params",
     "prefix_sums_at",
     "rank_nodes",

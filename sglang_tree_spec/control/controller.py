@@ -62,6 +62,9 @@ class ControlConfig:
         also keeps the drafted cells' step times fresh. Each probe that still prefers plain
         steps doubles the interval, up to ``probe_max_every`` (a useless drafter then costs one
         probe in ``probe_max_every`` steps); a probe that prefers drafting ends the plain run.
+        A plain run also probes once as many requests have arrived (``reset``) as the batch
+        holds: the forecast was made for text the batch no longer decodes (at batch size 1,
+        every new request is forecast on its first decode step).
     probe_max_every: the longest interval between probes.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
@@ -176,6 +179,7 @@ class BudgetController:
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
         self._probe_interval = config.probe_every  # steps from one probe to the next
         self._steps_since_draft = 0
+        self._arrivals = 0  # requests arrived since the last forecast
         self._drafted_steps = 0  # drafted auto steps after the profile
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
 
@@ -211,7 +215,7 @@ class BudgetController:
             return self._to_profile(bs) != 0
         if self.last_budget != 0 and not self._plain:
             return True
-        return self._steps_since_draft + 1 >= self._probe_interval
+        return self._arrivals >= bs or self._steps_since_draft + 1 >= self._probe_interval
 
     def forecast(
         self,
@@ -252,7 +256,7 @@ class BudgetController:
         if forecast is None:
             self._steps_since_draft += 1
             return self._count(0)
-        self._steps_since_draft = 0
+        self._steps_since_draft = self._arrivals = 0
         profiled = self._to_profile(bs)
         if profiled is not None and profiled <= forecast.tree_budget:
             return self._count(profiled)
@@ -305,9 +309,16 @@ class BudgetController:
             bucket = bucket_of(self.latency.bs_buckets, bs)
             self._measured_at.setdefault(bucket, {})[budget] = self._drafted_steps
 
+    def latency_line(self, bs: int) -> str:
+        """Host: the latency model's C(bs, N) per candidate, ``"0:6.1 4:7.0 ..."`` in ms
+        (a measured cell's EMA, else the calibrated prior), for the log."""
+        row = self.latency.row(bs)
+        return " ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(self.config.budgets, row, strict=True))
+
     def reset(self, rows: torch.Tensor) -> None:
         """Sync-free: slots ``rows`` (``[n]`` int64) start a new request's history."""
         self.calibrator.reset(rows)
+        self._arrivals += rows.numel()
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""

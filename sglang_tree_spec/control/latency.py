@@ -16,9 +16,15 @@ overhead (tree build, layout) and the drafter's own roofline over bs * block tok
 
 Online (host floats, no device work): every measured step feeds (a) a per-device linear
 calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
-"static linear calibration" learned online) and (b) a per-cell EMA of the measured time. A cell
-with a measurement predicts its EMA; an unmeasured cell predicts the calibrated prior. Batch
-sizes map to buckets (the smallest bucket >= bs, as CUDA-graph padding runs them).
+"static linear calibration" learned online) and (b) a per-cell EMA of the measured time, each
+sample clipped to ``outlier_ratio`` times the cell's estimate (a step interrupted by the OS or
+a neighbour only adds time, and one such step must not keep a budget unchosen for long). A cell
+with a measurement reads its EMA; an unmeasured cell the calibrated prior. A batch-size bucket's
+row is then made non-decreasing in N (a weighted isotonic fit, measured cells weighing by their
+sample count; unmeasured cells clamped between their measured neighbours): a bigger tree never
+costs less, so a cell measured under a burst of load, or rarely, is pooled with its neighbours
+instead of standing out. Batch sizes map to
+buckets (the smallest bucket >= bs, as CUDA-graph padding runs them).
 """
 
 from __future__ import annotations
@@ -177,6 +183,21 @@ def roofline_step_seconds(
     return seconds
 
 
+def isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (pool adjacent
+    violators: a run that decreases is replaced by its weighted mean)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + length
+    return [mean for mean, _, length in blocks for _ in range(int(length))]
+
+
 def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
     """Index of the smallest bucket >= bs (the last bucket for larger batches)."""
     return min(bisect.bisect_left(buckets, bs), len(buckets) - 1)
@@ -190,11 +211,16 @@ class LatencyConfig:
     min_samples: a cell's first this many measurements keep their minimum (one-time costs
         such as a first forward's warm-up, or a neighbour's burst, only ever add time); the
         EMA starts from there.
+    outlier_ratio: later samples enter the EMA clipped to this many times the cell's estimate.
+    max_weight: a measured cell's weight in its row's isotonic fit is its sample count, up to
+        this.
     """
 
     cell_ema: float = 0.2
     calib_decay: float = 0.995
     min_samples: int = 3
+    outlier_ratio: float = 2.0
+    max_weight: float = 8.0
 
 
 class LatencyModel:
@@ -257,15 +283,37 @@ class LatencyModel:
         return max(a * x + b, 0.05 * a * x)
 
     def seconds(self, bs: int, budget: int) -> float:
-        """C(bs, N) in seconds: the cell's EMA if measured, else the calibrated prior."""
-        bucket, column = bucket_of(self.bs_buckets, bs), self._col[budget]
-        if self.count[bucket][column]:
-            return self.measured[bucket][column]
-        return self.calibrated_prior(bucket, column)
+        """C(bs, N) in seconds (see :meth:`row`)."""
+        return self.row(bs)[self._col[budget]]
 
     def row(self, bs: int) -> list[float]:
-        """``[C]`` C(bs, N) for every candidate budget."""
-        return [self.seconds(bs, n) for n in self.budgets]
+        """``[C]`` C(bs, N) for every candidate budget, non-decreasing in N: the measured cells'
+        EMAs under a weighted isotonic fit (weights: sample counts), and between them the
+        calibrated prior, clamped to the fitted cells on either side."""
+        bucket = bucket_of(self.bs_buckets, bs)
+        counts = self.count[bucket]
+        measured = [c for c, n in enumerate(counts) if n]
+        fitted = dict(
+            zip(
+                measured,
+                isotonic(
+                    [self.measured[bucket][c] for c in measured],
+                    [min(float(counts[c]), self.config.max_weight) for c in measured],
+                ),
+                strict=True,
+            )
+        )
+        row = []
+        for column in range(len(self.budgets)):
+            if column in fitted:
+                row.append(fitted[column])
+                continue
+            below = [fitted[c] for c in measured if c < column]
+            above = [fitted[c] for c in measured if c > column]
+            value = self.calibrated_prior(bucket, column)
+            value = max(value, below[-1]) if below else value
+            row.append(min(value, above[0]) if above else value)
+        return row
 
     def record(self, bs: int, budget: int, seconds: float) -> bool:
         """Fold in one measured step; False (ignored) for a budget outside the candidates."""
@@ -286,8 +334,9 @@ class LatencyModel:
         elif count < self.config.min_samples:
             self.measured[bucket][column] = min(self.measured[bucket][column], seconds)
         else:
-            ema = self.config.cell_ema
-            self.measured[bucket][column] += ema * (seconds - self.measured[bucket][column])
+            cell = self.measured[bucket][column]
+            sample = min(seconds, self.config.outlier_ratio * cell)
+            self.measured[bucket][column] += self.config.cell_ema * (sample - cell)
         self.count[bucket][column] += 1
         return True
 

@@ -261,7 +261,7 @@ def _define_worker() -> type:
             )
             drafted = result.topk_logprobs is not None
             self._open_step = (len(batch.reqs), result.budget, drafted, start)
-            self._log_budgets()
+            self._log_budgets(len(batch.reqs))
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
                 on_publish(new_seq_lens)
@@ -299,7 +299,7 @@ def _define_worker() -> type:
                 self.controller.record_step(bs, budget, now - start, drafted)
             return now
 
-        def _log_budgets(self) -> None:
+        def _log_budgets(self, bs: int) -> None:
             """Every ``BUDGET_LOG_EVERY`` steps: the metrics, and under auto a log line with
             the chosen budgets and the predicted vs observed accepted lengths (one device
             read)."""
@@ -313,12 +313,14 @@ def _define_worker() -> type:
                 return
             logger.info(
                 "DDTREE budgets over %d steps: %s, accept length predicted %.2f observed %.2f, "
-                "step time model error %.0f%%",
+                "step time model error %.0f%%, at batch size %d (ms) %s",
                 self._steps,
                 stats.budget_counts,
                 stats.mean_predicted_accept,
                 stats.mean_observed_accept,
                 100 * stats.latency_mean_abs_rel_error,
+                bs,
+                self.controller.latency_line(bs),
             )
 
         def _table_line(self) -> str:
