@@ -55,7 +55,7 @@ from sglang_tree_spec.server_process import (
 )
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "serve_throughput_cpu.json"
-DEFAULT_CONFIGS = ["none", "chain", "ddtree:4", "ddtree:8", "ddtree:16", "ddtree:auto"]
+DEFAULT_CONFIGS = ["none", "chain", "ddtree:4", "ddtree:8", "ddtree:16", "ddtree:32", "ddtree:auto"]
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
 QUICK = {  # --quick: the README's run command, a few minutes on 2 CPU cores
     "configs": ["none", "chain", "ddtree:auto"],
