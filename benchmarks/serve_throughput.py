@@ -171,7 +171,8 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
     def mean(total: str, count: str) -> float | None:
-        return round(delta[total] / delta[count], 3) if delta.get(count) else None
+        # a counter never incremented (no accepted token: a useless drafter) is not exported
+        return round(delta.get(total, 0.0) / delta[count], 3) if delta.get(count) else None
 
     return {
         "budget_steps": dict(sorted(budgets.items())),

@@ -32,6 +32,17 @@ def test_publish_exports_the_cumulative_stats_once():
     assert abs(samples["step_time_abs_rel_error_total"] - 2.0) < 1e-9  # 0.2 over 10 steps
 
 
+def test_counters_are_exported_before_they_count():
+    """A useless drafter accepts nothing: its accepted-token counter must still read 0 (a
+    missing series broke the benchmark's round summary and leaves dashboards without data)."""
+    registry = CollectorRegistry()
+    metrics = DDTreeMetrics("tiny", registry)
+    metrics.publish(stats(4, 0.1, 0.0, 10, {0: 50, 4: 10}, 0.1, 5))
+    samples = read_ddtree_metrics(generate_latest(registry).decode())
+    assert samples["accepted_tokens_total"] == 0.0
+    assert samples["verified_requests_total"] == 10
+
+
 def test_read_ddtree_metrics_ignores_sglangs_own_series():
     page = (
         'sglang:spec_accept_length{model_name="m"} 2.5\n'

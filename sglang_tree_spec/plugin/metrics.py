@@ -60,6 +60,14 @@ class DDTreeMetrics:
         self.latency_error = counter(
             "step_time_abs_rel_error", "DDTREE sum of |predicted - measured| / measured step time"
         )
+        for metric in (
+            self.request_steps,
+            self.predicted,
+            self.observed,
+            self.timed_steps,
+            self.latency_error,
+        ):
+            metric.labels(**self.labels)  # exported at 0 from the start, as Prometheus expects
         self._last = ControlStats(None, 0.0, 0.0, 0, {}, [], 0.0, 0)
 
     def publish(self, stats: ControlStats) -> None:
