@@ -15,6 +15,7 @@ from sglang_tree_spec.control import (
     BudgetController,
     CalibrationConfig,
     ControlConfig,
+    LatencyConfig,
     LatencyModel,
     candidate_budgets,
     dflash_drafter,
@@ -384,18 +385,23 @@ def test_profile_measures_every_candidate_before_choosing():
     assert not ctl.should_draft(1) and ctl.choose(None, 1) == 0
 
 
-def test_a_cell_keeps_the_minimum_of_its_first_samples_then_averages():
-    """Warm-up and bursts of load only add time: the first ``min_samples`` keep their minimum
-    (a slow first forward does not stick), later ones move the EMA, each clipped to
-    ``outlier_ratio`` times the cell (one interrupted step moves it by at most that)."""
-    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,))
+def test_a_cell_reads_the_median_of_its_recent_samples():
+    """Warm-up and bursts of load only add time, several steps at a time: a cell reads the
+    lower median of its last ``window`` samples, so a slow first forward or a burst shorter
+    than half the window does not move it, while a lasting change does."""
+    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,), config=LatencyConfig(window=8))
     for seconds in (5.0, 0.2, 0.3):  # a slow first step (warm-up), then the real cost
         model.record(1, 8, seconds)
-    assert model.seconds(1, 8) == pytest.approx(0.2)
-    model.record(1, 8, 0.3)
-    assert model.seconds(1, 8) == pytest.approx(0.2 + 0.2 * (0.3 - 0.2))
-    model.record(1, 8, 5.0)  # an interrupted step counts as 2 x 0.22
-    assert model.seconds(1, 8) == pytest.approx(0.22 + 0.2 * (0.44 - 0.22))
+    assert model.seconds(1, 8) == pytest.approx(0.3)
+    for seconds in (0.2, 0.25, 0.3, 0.2, 0.25):
+        model.record(1, 8, seconds)
+    assert model.seconds(1, 8) == pytest.approx(0.25)
+    for _ in range(3):  # a burst of three steps at twice the cost
+        model.record(1, 8, 0.5)
+    assert model.seconds(1, 8) == pytest.approx(0.25)
+    for _ in range(5):  # the cost itself changed: after half a window the cell follows
+        model.record(1, 8, 0.5)
+    assert model.seconds(1, 8) == pytest.approx(0.5)
 
 
 def test_isotonic_pools_decreasing_runs_by_weight():

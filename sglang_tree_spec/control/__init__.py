@@ -9,8 +9,8 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
   estimators rescale the surrogate toward the observed accepted lengths.
-* Latency (:mod:`.latency`): C(bs, N) = per-cell EMA of measured step times, else a roofline
-  prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
+* Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, else a
+  roofline prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
 * Budget 0 is a plain decode step (no drafter); the step skips drafting while auto keeps
   choosing 0 and re-drafts to re-forecast after ``probe_every`` steps, the interval doubling
   (up to ``probe_max_every``) while the probes keep choosing 0.

@@ -311,7 +311,7 @@ class BudgetController:
 
     def latency_line(self, bs: int) -> str:
         """Host: the latency model's C(bs, N) per candidate, ``"0:6.1 4:7.0 ..."`` in ms
-        (a measured cell's EMA, else the calibrated prior), for the log."""
+        (a measured cell's median, else the calibrated prior), for the log."""
         row = self.latency.row(bs)
         return " ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(self.config.budgets, row, strict=True))
 

@@ -16,10 +16,13 @@ overhead (tree build, layout) and the drafter's own roofline over bs * block tok
 
 Online (host floats, no device work): every measured step feeds (a) a per-device linear
 calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
-"static linear calibration" learned online) and (b) a per-cell EMA of the measured time, each
-sample clipped to ``outlier_ratio`` times the cell's estimate (a step interrupted by the OS or
-a neighbour only adds time, and one such step must not keep a budget unchosen for long). A cell
-with a measurement reads its EMA; an unmeasured cell the calibrated prior. A batch-size bucket's
+"static linear calibration" learned online) and (b) per cell, the median of its last
+``window`` measured times. Step times on a shared machine come in bursts (the OS, a neighbour,
+the server's own other work: periods twice the usual, several in a row); an average takes them
+in, and since a cell is only measured when its budget is chosen, a rarely chosen cell keeps the
+burst it last saw, so an average made drafted cells look 25-50% dearer than plain steps. The
+median is what the next step costs outside a burst. A cell
+with a measurement reads its median; an unmeasured cell the calibrated prior. A batch-size bucket's
 row is then made non-decreasing in N (a weighted isotonic fit, measured cells weighing by their
 sample count; unmeasured cells clamped between their measured neighbours): a bigger tree never
 costs less, so a cell measured under a burst of load, or rarely, is pooled with its neighbours
@@ -30,6 +33,8 @@ buckets (the smallest bucket >= bs, as CUDA-graph padding runs them).
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 from dataclasses import dataclass
 
 DEFAULT_BS_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -206,20 +211,14 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 @dataclass(frozen=True)
 class LatencyConfig:
     """Attributes:
-    cell_ema: weight of a new measurement in its cell's EMA.
+    window: a cell reads the (lower) median of its last this many measured times.
     calib_decay: per-measurement decay of the linear calibration's sums.
-    min_samples: a cell's first this many measurements keep their minimum (one-time costs
-        such as a first forward's warm-up, or a neighbour's burst, only ever add time); the
-        EMA starts from there.
-    outlier_ratio: later samples enter the EMA clipped to this many times the cell's estimate.
     max_weight: a measured cell's weight in its row's isotonic fit is its sample count, up to
         this.
     """
 
-    cell_ema: float = 0.2
+    window: int = 16
     calib_decay: float = 0.995
-    min_samples: int = 3
-    outlier_ratio: float = 2.0
     max_weight: float = 8.0
 
 
@@ -240,7 +239,10 @@ class LatencyModel:
         self.bs_buckets = tuple(bs_buckets)
         self.config = config
         self._col = {b: i for i, b in enumerate(self.budgets)}
-        self.measured = [[0.0] * len(budgets) for _ in bs_buckets]  # per-cell EMA
+        self.measured = [[0.0] * len(budgets) for _ in bs_buckets]  # per-cell median
+        self._samples = [
+            [collections.deque(maxlen=config.window) for _ in budgets] for _ in bs_buckets
+        ]  # per cell, its last ``window`` times
         self.count = [[0] * len(budgets) for _ in bs_buckets]
         self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
         self._abs_rel_err = 0.0
@@ -288,7 +290,7 @@ class LatencyModel:
 
     def row(self, bs: int) -> list[float]:
         """``[C]`` C(bs, N) for every candidate budget, non-decreasing in N: the measured cells'
-        EMAs under a weighted isotonic fit (weights: sample counts), and between them the
+        medians under a weighted isotonic fit (weights: sample counts), and between them the
         calibrated prior, clamped to the fitted cells on either side."""
         bucket = bucket_of(self.bs_buckets, bs)
         counts = self.count[bucket]
@@ -328,15 +330,9 @@ class LatencyModel:
         d = self.config.calib_decay
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self._sums[i] = self._sums[i] * d + v
-        count = self.count[bucket][column]
-        if count == 0:
-            self.measured[bucket][column] = seconds
-        elif count < self.config.min_samples:
-            self.measured[bucket][column] = min(self.measured[bucket][column], seconds)
-        else:
-            cell = self.measured[bucket][column]
-            sample = min(seconds, self.config.outlier_ratio * cell)
-            self.measured[bucket][column] += self.config.cell_ema * (sample - cell)
+        samples = self._samples[bucket][column]
+        samples.append(seconds)
+        self.measured[bucket][column] = statistics.median_low(samples)
         self.count[bucket][column] += 1
         return True
 

@@ -212,16 +212,21 @@ class SGLangBackend:
 
     def keep(self, path_slots: torch.Tensor, commit_lens: torch.Tensor) -> None:
         """Path slot ``j``'s target KV moves to window slot ``j`` (position prefix + j; off
-        the path the move is a no-op); the drafter's context KV for those positions is
-        written from the path's target hidden states."""
+        the path the move is a no-op; the root, ``j = 0``, is in place already, so a plain
+        step moves nothing); the drafter's context KV for those positions is written from the
+        path's target hidden states."""
         bs, width = path_slots.shape
         window_locs = self._window_locs
         slots = path_slots.clamp_min(0)
         dst_locs = window_locs[:, :width]
-        src_locs = torch.where(path_slots >= 0, window_locs.gather(1, slots), dst_locs)
-        self.worker.model_runner.token_to_kv_pool.move_kv_cache(
-            dst_locs.flatten(), src_locs.flatten()
-        )
+        if width > 1:
+            moved = dst_locs[:, 1:]
+            src_locs = torch.where(
+                path_slots[:, 1:] >= 0, window_locs.gather(1, slots[:, 1:]), moved
+            )
+            self.worker.model_runner.token_to_kv_pool.move_kv_cache(
+                moved.flatten(), src_locs.flatten()
+            )
         hidden = self.logits_output.hidden_states.view(bs, window_locs.shape[1], -1)
         path_hidden = hidden.gather(1, slots[:, :, None].expand(-1, -1, hidden.shape[-1]))
         self.worker._append_target_hidden_to_draft_kv_by_loc(
