@@ -101,6 +101,36 @@ class TreePenalties:
             stop_tokens=stop[:, :vocab_size],
         )
 
+    def with_missing(
+        self, tokens: torch.Tensor, valid: torch.Tensor, output_lens: torch.Tensor
+    ) -> TreePenalties:
+        """The state after the committed output plus ``tokens [bs, M]`` where ``valid [bs,
+        M]`` (output tokens the host's lists lack yet: overlap scheduling), with
+        ``output_lens [bs]`` the true output counts. Same arithmetic as :meth:`from_outputs`:
+        one frequency addition per occurrence (equal addends, so the order is immaterial)."""
+        bs, vocab_size = self.base_frequency.shape
+        ids = torch.where(valid, tokens, vocab_size)  # column V: padding
+        f32 = {"dtype": torch.float32, "device": ids.device}
+        ones = torch.ones(ids.shape, **f32)
+        pad = torch.zeros(bs, 1, **f32)
+        freq = torch.cat([self.base_frequency, pad], dim=1)
+        freq.scatter_add_(1, ids, self.frequency[:, None] * ones)
+        pres = torch.cat([self.base_presence, pad], dim=1)
+        pres.scatter_(1, ids, self.presence[:, None] * ones)
+        rep = torch.cat([self.base_repetition, pad + 1], dim=1)
+        rep.scatter_(1, ids, self.repetition[:, None] * ones)
+        return TreePenalties(
+            frequency=self.frequency,
+            presence=self.presence,
+            repetition=self.repetition,
+            base_frequency=freq[:, :vocab_size],
+            base_presence=pres[:, :vocab_size],
+            base_repetition=rep[:, :vocab_size],
+            min_new_tokens=self.min_new_tokens,
+            output_lens=output_lens.to(torch.int64),
+            stop_tokens=self.stop_tokens,
+        )
+
 
 def _scaled(values: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
     """SGLang's repetition scaling: ``x * s`` where ``x < 0``, else ``x / s``."""
