@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_tree_spec.host_copy import to_device
+
 
 class RecentOutputs:
     """Output count and newest ``width`` output tokens of every request row, on ``device``."""
@@ -36,7 +38,7 @@ class RecentOutputs:
         ``host_counts`` output tokens before it (0, or the outputs of a retracted request whose
         prompt now holds them). An intermediate chunk of a chunked prefill is overwritten by
         the request's last chunk, which precedes its first decode step."""
-        before = torch.tensor(host_counts, dtype=torch.int64).to(self.counts.device)
+        before = to_device(host_counts, self.counts.device, torch.int64)
         self.counts[rows] = before + 1
         ones = torch.ones_like(before)
         self._push(rows, first_tokens.to(torch.int64).view(-1, 1), ones)
@@ -58,7 +60,7 @@ class RecentOutputs:
         ``host_counts``): ``tokens [bs, width]``, ``valid [bs, width]`` (the newest ``count -
         host_count`` entries) and every request's true output count ``[bs]``."""
         counts = self.counts[rows]
-        host = torch.tensor(host_counts, dtype=torch.int64).to(counts.device)
+        host = to_device(host_counts, counts.device, torch.int64)
         first = self.width - (counts - host)  # [bs] first missing entry
         valid = torch.arange(self.width, device=counts.device)[None, :] >= first[:, None]
         return self.tokens[rows], valid, counts

@@ -31,6 +31,7 @@ import torch
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
 from sglang_tree_spec.control.latency import device_spec, shape_of
 from sglang_tree_spec.graft import TablePartitions
+from sglang_tree_spec.host_copy import to_device
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
@@ -65,8 +66,8 @@ def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
         top_k=info.top_ks.view(-1),
         top_p=info.top_ps.view(-1),
         min_p=info.min_ps.view(-1) if info.need_min_p_sampling else torch.zeros(bs, device=device),
-        seeds=torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64, device=device),
-        seeded=torch.tensor([seed is not None for seed in seeds], device=device),
+        seeds=to_device([seed or 0 for seed in seeds], device, torch.int64),
+        seeded=to_device([seed is not None for seed in seeds], device, torch.bool),
         all_greedy=False,
         all_seeded=all(seed is not None for seed in seeds),
     )
@@ -264,6 +265,9 @@ def _define_worker() -> type:
             return out
 
         def _decode(self, batch: Any, on_publish: Any) -> Any:
+            if batch.seq_lens.is_cuda:  # under overlap gathered on SGLang's schedule stream:
+                # keep its memory from being reused there while this step still reads it
+                batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
             rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
