@@ -258,9 +258,10 @@ def measure_steps(
         "exactness",
         [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
          f"--junitxml={out / 'gpu_exactness.xml'}"],
-        600, "DDTREE vs no speculation, greedy, triton (float32, exact) and flashinfer "
-        f"(bfloat16), budgets {block} and {4 * block}, with and without grafting, CUDA graphs "
-        "as the plugin allows", env=model_env, outputs=["gpu_exactness.xml"],
+        690, "DDTREE vs no speculation, greedy, triton (float32, exact) and flashinfer "
+        f"(bfloat16), budgets {block} and {4 * block}, with and without grafting, under SGLang's "
+        f"overlap scheduler and (budget {4 * block}) without it, CUDA graphs as the plugin "
+        "allows", env=model_env, outputs=["gpu_exactness.xml"],
     ))  # fmt: skip
     steps.append(Step(
         "tree-build",
@@ -293,6 +294,8 @@ def measure_steps(
            "OFF -- the plugin turns them off on GPU until the tree-mask verify capture lands "
            f"(its log says {GRAPHS_OFF_LINE!r}); the no-speculation and DFLASH rows keep "
            "theirs, so DDTREE is measured at a disadvantage"),
+        "overlap scheduling: on for every DDTREE server (SGLang's default; the exactness step "
+        "also runs DDTREE with --disable-overlap-schedule and checks each log says which)",
         "DDTREE auto (budget control): the throughput step's ddtree:auto rows show the budgets "
         "chosen per concurrency and the latency model's step-time error (from /metrics)",
         "the servers' own logs: CUDA graph state is checked by "

@@ -6,6 +6,9 @@ unmodified ``python -m sglang.launch_server`` with CUDA graphs left as the plugi
 captures its verify graphs once the plugin says it can (``validation.TREE_MASK_CUDA_GRAPHS``);
 until then it must say in its log that it turned them off.
 
+DDTREE runs under SGLang's overlap scheduler (its default on a GPU) at both budgets, and once
+more without it (``--disable-overlap-schedule``); the log says which.
+
 Models: ``GPU_EXACTNESS_TARGET`` / ``GPU_EXACTNESS_DRAFTER`` (a target and its DFlash drafter),
 else the committed small pair. Budgets: the drafter's block and four times it, without and
 with ``--speculative-ddtree-graft unified``. triton serves in float32, where greedy output must
@@ -67,7 +70,9 @@ def head_dim() -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
-def server_command(backend: str, port: int, budget: int | None, graft: str) -> list[str]:
+def server_command(
+    backend: str, port: int, budget: int | None, graft: str, overlap: bool = True
+) -> list[str]:
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(TARGET),
@@ -89,6 +94,8 @@ def server_command(backend: str, port: int, budget: int | None, graft: str) -> l
             "--speculative-num-draft-tokens", str(budget + 1),
             "--speculative-ddtree-graft", graft,
         ]  # fmt: skip
+    if not overlap:
+        command.append("--disable-overlap-schedule")
     return command
 
 
@@ -140,13 +147,18 @@ def baseline(backend, prompts, tmp_path_factory) -> dict:
     return serve(server_command(backend, free_port(), None, "none"), log, prompts)
 
 
-@pytest.fixture(scope="module", params=["small-none", "large-none", "large-unified"])
+@pytest.fixture(
+    scope="module", params=["small-none-overlap", "large-none-overlap", "large-unified-overlap",
+                            "large-none-sync"]
+)  # fmt: skip
 def ddtree(request, backend, baseline, prompts, tmp_path_factory) -> dict:
-    size, graft = request.param.split("-")
+    size, graft, schedule = request.param.split("-")
     budget = budgets()[0 if size == "small" else 1]
-    log = tmp_path_factory.mktemp(f"ddtree{budget}-{graft}-{backend}") / "server.log"
-    served = serve(server_command(backend, free_port(), budget, graft), log, prompts)
-    return served | {"budget": budget, "graft": graft, "backend": backend}
+    overlap = schedule == "overlap"  # SGLang's default on a GPU; sync: --disable-overlap-schedule
+    log = tmp_path_factory.mktemp(f"ddtree{budget}-{graft}-{schedule}-{backend}") / "server.log"
+    command = server_command(backend, free_port(), budget, graft, overlap)
+    served = serve(command, log, prompts)
+    return served | {"budget": budget, "graft": graft, "backend": backend, "overlap": overlap}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +226,12 @@ def test_ddtree_cuda_graphs_are_what_the_plugin_says(ddtree):
         assert "DDTREE verify graph replayed" in ddtree["log"]
     else:
         assert GRAPHS_OFF_LINE in ddtree["log"]
+
+
+def test_ddtree_runs_under_the_scheduler_asked_for(ddtree):
+    """SGLang's overlap scheduler (its default) keeps running DDTREE (``supports_overlap=True``,
+    a window at least the drafter's block), unless ``--disable-overlap-schedule`` is given."""
+    state = "on" if ddtree["overlap"] else "off"
+    assert f"overlap scheduling {state}" in ddtree["log"]
+    assert "supports_overlap=False" not in ddtree["log"]
+    assert "DDTREE: overlap scheduling disabled" not in ddtree["log"]

@@ -79,6 +79,9 @@ def test_dry_run_keeps_to_thirty_minutes_and_states_cuda_graphs(dry_run):
     else:
         assert "CUDA graphs for DDTREE: OFF" in result.stdout
     assert "DDTREE auto (budget control): the throughput step's ddtree:auto rows" in result.stdout
+    assert "overlap scheduling: on for every DDTREE server" in result.stdout
+    exactness = next(step for step in summary["steps"] if step["name"] == "exactness")
+    assert "under SGLang's overlap scheduler and (budget 32) without it" in exactness["purpose"]
 
 
 def test_dry_run_writes_the_result_skeleton(dry_run):

@@ -135,7 +135,7 @@ def test_ddtree_resolves_after_plugins_load(sglang_plugins):
     assert not (algo.is_dflash() or algo.is_eagle() or algo.is_ngram() or algo.is_standalone())
     assert algo.supports_target_verify_for_draft()
     assert not (algo.supports_ragged_verify() or algo.supports_grammar_overlap())
-    assert algo.supports_overlap is False
+    assert algo.supports_overlap is True
     assert algo.validate_server_args is validation.validate_server_args
     assert algo.get_num_tokens_per_req_for_target_verify(33, is_draft_worker=False) == 33
     register()  # idempotent: a second call neither re-registers nor raises
@@ -439,12 +439,43 @@ def test_server_args_with_ddtree_get_defaults(sglang_plugins, models):
         )
     )
     assert args.speculative_algorithm == "DDTREE"
-    assert args.disable_overlap_schedule is True  # supports_overlap=False: set by the algorithm
+    assert args.disable_overlap_schedule is True  # on CPU DDTREE runs synchronously
     assert args.speculative_num_draft_tokens == BLOCK_SIZE  # budget defaults to block size - 1
     assert args.speculative_dflash_block_size == BLOCK_SIZE
     assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
     assert args.enable_mixed_chunk is False
     assert args.speculative_ddtree_topk is None
+
+
+def test_ddtree_keeps_overlap_scheduling_where_it_can_run(sglang_plugins, models, monkeypatch):
+    """Overlap stays on (SGLang's default) unless DDTREE must run synchronously: on CPU (as
+    SGLang's own speculative algorithms; the test switch keeps it), or when the verify window
+    is shorter than the drafter's block (its writes could pass the overlap reservation)."""
+    from sglang_tree_spec.plugin.validation import CPU_OVERLAP_ENV, no_overlap_reason
+
+    def overlap(**kwargs: Any) -> bool:
+        args = server_args(
+            models,
+            speculative_algorithm="DDTREE",
+            speculative_draft_model_path=models["drafter"],
+            **kwargs,
+        )
+        return not compat.resolved(args).disable_overlap_schedule
+
+    assert not overlap()
+    monkeypatch.setenv(CPU_OVERLAP_ENV, "1")
+    assert overlap()
+    assert overlap(speculative_num_draft_tokens=BLOCK_SIZE)
+    assert not overlap(speculative_num_draft_tokens=BLOCK_SIZE - 1)
+    assert not overlap(disable_overlap_schedule=True)
+    assert no_overlap_reason("cuda", 33, 16) is None
+    assert no_overlap_reason("cuda", 9, 16) == (
+        "--speculative-num-draft-tokens 9 is shorter than the drafter's block (16): a step's "
+        "KV writes could pass SGLang's overlap reservation (give at least 16 for overlap "
+        "scheduling)"
+    )
+    monkeypatch.delenv(CPU_OVERLAP_ENV)
+    assert "on CPU" in no_overlap_reason("cpu", 33, 16)
 
 
 def test_server_args_with_ddtree_keep_an_explicit_budget(sglang_plugins, models):

@@ -8,8 +8,12 @@ KV-cache code, which dispatch on ``is_*()`` / ``supports_*()`` instead of on nam
   pool (SGLang sizes a KV cell for target + draft layers) and runs its block as a
   TARGET_VERIFY batch (``supports_target_verify_for_draft``). It is not SGLang's DFLASH chain
   (``is_dflash`` is False), so DFLASH's own worker and argument handling are never used.
-* No overlap scheduling yet (``supports_overlap=False``): :func:`.validation.apply_defaults`
-  sets ``disable_overlap_schedule`` itself, as SGLang requires.
+* Overlap scheduling (``supports_overlap=True``): the worker drives SGLang's overlap
+  scheduler as DFLASH's does (the next step's inputs come from SGLang's ``FutureMap``), and
+  stays exact there (penalties included: ``plugin/pending.py``).
+  :func:`.validation.apply_defaults` turns it off where DDTREE must run synchronously (on CPU,
+  as SGLang does for its own algorithms, and for a verify window shorter than the drafter's
+  block), with a warning saying why.
 * No EAGLE top-k relay, no draft hidden states across disaggregation, no ragged verify, no
   grammar overlap.
 
@@ -97,7 +101,7 @@ def register_algorithm() -> None:
         return
     SpeculativeAlgorithm.register(
         ALGORITHM,
-        supports_overlap=False,
+        supports_overlap=True,
         validate_server_args=validation.validate_server_args,
         spec_class=DDTreeSpecAlgo,
     )(worker_factory)

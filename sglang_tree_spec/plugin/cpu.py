@@ -349,3 +349,29 @@ def verify_attention(
         q, k, v, attn_mask=index.allowed, scale=scale, enable_gqa=enable_gqa
     )  # [bs, H, W, Dv]
     out.copy_(o.transpose(1, 2).reshape(out.shape))
+
+
+def spec_relay_on_cpu(original: Any, future_map: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND hook on ``FutureMap._resolve_spec_extras`` (SGLang 0.5.17): no stream record on
+    CPU.
+
+    Under overlap scheduling 0.5.17 marks the relayed request indices as used by the current
+    stream (``Tensor.record_stream``), which CPU tensors refuse ("unknown parameter type"):
+    the first speculative decode step under overlap kills a CPU server. A CPU tensor has no
+    stream to record, so the call is skipped for CPU tensors, as 0.5.23 does; GPU tensors are
+    recorded as before. Mirrored by
+    ``patches/sglang-0.5.17/0022-spec-relay-skips-stream-record-on-cpu.diff``.
+    """
+    if torch.device(future_map.device).type != "cpu":
+        return original(future_map, *args, **kwargs)
+    record_stream = torch.Tensor.record_stream
+
+    def record_off_cpu(tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.device.type != "cpu":
+            record_stream(tensor, stream)
+
+    torch.Tensor.record_stream = record_off_cpu
+    try:
+        return original(future_map, *args, **kwargs)
+    finally:
+        torch.Tensor.record_stream = record_stream

@@ -108,6 +108,12 @@ def _ddtree_verify_graph_runner() -> Callable[..., type]:
     return ddtree_decode_graph_runner_cls
 
 
+def _spec_relay_on_cpu() -> Callable[..., Any]:
+    from sglang_tree_spec.plugin.cpu import spec_relay_on_cpu
+
+    return spec_relay_on_cpu
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -232,6 +238,20 @@ HOOKS += (
         patch="0020-prefill-cuda-graph-off-on-cpu.diff",
         reason="--device cpu without SGLANG_USE_CPU_ENGINE keeps the piecewise prefill CUDA "
         "graph, whose capture dies on CPU (with or without speculation)",
+    ),
+)
+
+# 0.5.17 only (0.5.23 skips the stream record for CPU tensors itself): DDTREE under SGLang's
+# overlap scheduler on CPU (a test switch, validation.CPU_OVERLAP_ENV).
+HOOKS += (
+    Hook(
+        target="sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras",
+        kind="AROUND",
+        make=_spec_relay_on_cpu,
+        patch="0022-spec-relay-skips-stream-record-on-cpu.diff",
+        reason="under overlap scheduling the speculative relay records its request indices on "
+        "the current stream, which a CPU tensor refuses: the first speculative decode step "
+        "kills a CPU server",
     ),
 )
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin.pending import RecentOutputs
 from sglang_tree_spec.tree.penalties import TreePenalties
 
 
@@ -45,15 +46,24 @@ def stop_tokens(req: Any) -> list[int]:
 
 
 def batch_penalties(
-    reqs: list[Any], vocab_size: int, device: torch.device | str
+    reqs: list[Any],
+    vocab_size: int,
+    device: torch.device | str,
+    recent: RecentOutputs | None = None,
+    rows: torch.Tensor | None = None,
 ) -> TreePenalties | None:
     """The :class:`TreePenalties` of a decode batch's requests, or None when none is
-    penalised (the verify logits are then left exactly as they were)."""
+    penalised (the verify logits are then left exactly as they were).
+
+    ``recent`` (the worker's :class:`~.pending.RecentOutputs`, with the batch's request
+    ``rows``) adds the output tokens SGLang has not appended to ``req.output_ids`` yet (overlap
+    scheduling: the previous step's result is processed after this step starts)."""
     params = [req.sampling_params for req in reqs]
     if not any(penalised(p) for p in params):
         return None
-    return TreePenalties.from_outputs(
-        [list(req.output_ids) for req in reqs],
+    outputs = [list(req.output_ids) for req in reqs]
+    state = TreePenalties.from_outputs(
+        outputs,
         [p.frequency_penalty for p in params],
         [p.presence_penalty for p in params],
         [p.repetition_penalty for p in params],
@@ -62,3 +72,6 @@ def batch_penalties(
         vocab_size,
         device,
     )
+    if recent is None:
+        return state
+    return state.with_missing(*recent.missing(rows, [len(out) for out in outputs]))

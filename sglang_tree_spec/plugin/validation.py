@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -364,7 +365,6 @@ def apply_defaults(server_args: Any) -> None:
     drafter = load_drafter(
         server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
     )
-    disable_overlap(server_args)
     server_args.speculative_num_steps = 1
     server_args.speculative_eagle_topk = 1
     server_args.speculative_dflash_block_size = drafter.block_size
@@ -377,6 +377,11 @@ def apply_defaults(server_args: Any) -> None:
             drafter.block_size,
             drafter.block_size - 1,
         )
+    reason = no_overlap_reason(
+        server_args.device, int(server_args.speculative_num_draft_tokens), drafter.block_size
+    )
+    if reason is not None:
+        disable_overlap(server_args, reason)
     if (
         server_args.device == "cpu"
         and server_args.speculative_draft_attention_backend is None
@@ -394,11 +399,43 @@ def _prefill_backend(server_args: Any) -> str | None:
     return prefill or getattr(server_args, "attention_backend", None)
 
 
-def disable_overlap(server_args: Any) -> None:
-    """The DDTREE worker runs synchronously: SGLang requires the algorithm to say so."""
+CPU_OVERLAP_ENV = "SGLANG_TREE_SPEC_CPU_OVERLAP"
+"""Test switch: ``1`` keeps SGLang's overlap scheduler for DDTREE on CPU (SGLang 0.5.23), where
+DDTREE, like SGLang's own speculative algorithms, otherwise runs synchronously."""
+
+
+def cpu_overlap_requested() -> bool:
+    """Whether the tests asked for overlap scheduling on CPU (:data:`CPU_OVERLAP_ENV`)."""
+    return os.environ.get(CPU_OVERLAP_ENV, "0") == "1"
+
+
+def no_overlap_reason(device: str, num_draft_tokens: int, block_size: int) -> str | None:
+    """Why DDTREE must run without SGLang's overlap scheduler, or None when it may overlap.
+
+    * On CPU SGLang runs speculative decoding synchronously (its own algorithms call
+      ``_disable_overlap_schedule_for_cpu``); a CPU device does not run ahead of the host, so
+      overlap gains nothing there. :data:`CPU_OVERLAP_ENV` keeps it for tests.
+    * Under overlap the scheduler reserves a step's KV slots (2 x the verify window past the
+      committed tokens) before the previous step's accepted tokens are known, so that step may
+      already have taken up to a window of them; a step writes the longer of the window and
+      the drafter's block. A window shorter than the block would write past the reservation.
+    """
+    if device == "cpu" and not cpu_overlap_requested():
+        return "SGLang runs speculative decoding on CPU without it"
+    if num_draft_tokens < block_size:
+        return (
+            f"--speculative-num-draft-tokens {num_draft_tokens} is shorter than the drafter's "
+            f"block ({block_size}): a step's KV writes could pass SGLang's overlap reservation "
+            f"(give at least {block_size} for overlap scheduling)"
+        )
+    return None
+
+
+def disable_overlap(server_args: Any, reason: str) -> None:
+    """Run DDTREE synchronously (SGLang's ``--disable-overlap-schedule``), saying why."""
     if not server_args.disable_overlap_schedule:
         server_args.disable_overlap_schedule = True
-        logger.warning("%s: overlap scheduling is not supported yet; disabling it", ALGORITHM)
+        logger.warning("%s: overlap scheduling disabled: %s", ALGORITHM, reason)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,14 @@ select the tree (DDTree, or Graft's ``--speculative-ddtree-graft``), verify the 
 accepted path. The worker turns the result into SGLang's ``GenerationBatchResult``.
 
 Every request keeps ``W`` verify slots, so shapes are fixed for a batch size and budget. The
-worker runs synchronously (no overlap scheduling), at any ``--tp-size`` (the draft top-K is
-merged from the vocabulary shards of the target's LM head).
+worker runs at any ``--tp-size`` (the draft top-K is merged from the vocabulary shards of the
+target's LM head), with or without SGLang's overlap scheduler. Under overlap SGLang runs step
+``N + 1`` before it processes step ``N``'s result, as for its DFlash worker: the step's bonus
+tokens and sequence lengths come from SGLang's ``FutureMap`` (``batch.spec_info``,
+``batch.seq_lens``), the step publishes its new lengths (``on_publish``) and returns the next
+draft input; what the worker reads from the host requests themselves is either fixed for the
+request's life (sampling parameters, seeds, isolation keys) or corrected on the device for the
+unprocessed step (penalties: :mod:`.pending`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
 from sglang_tree_spec.control.latency import device_spec, shape_of
 from sglang_tree_spec.graft import TablePartitions
+from sglang_tree_spec.host_copy import to_device
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
@@ -32,6 +39,7 @@ from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
 from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
+from sglang_tree_spec.plugin.pending import RecentOutputs
 from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_seed
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
@@ -58,8 +66,8 @@ def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
         top_k=info.top_ks.view(-1),
         top_p=info.top_ps.view(-1),
         min_p=info.min_ps.view(-1) if info.need_min_p_sampling else torch.zeros(bs, device=device),
-        seeds=torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64, device=device),
-        seeded=torch.tensor([seed is not None for seed in seeds], device=device),
+        seeds=to_device([seed or 0 for seed in seeds], device, torch.int64),
+        seeded=to_device([seed is not None for seed in seeds], device, torch.bool),
         all_greedy=False,
         all_seeded=all(seed is not None for seed in seeds),
     )
@@ -128,13 +136,15 @@ def _define_worker() -> type:
                 else None
             )
             self._controller = None  # built on first use: the request pool comes later
+            self._recent: RecentOutputs | None = None  # likewise
+            self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
             self._open_step: tuple[int, int, bool, float] | None = None  # see _time_steps
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
                 "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s%s, "
-                "LM head over %d vocabulary shard(s)",
+                "LM head over %d vocabulary shard(s), overlap scheduling %s",
                 self.config.method,
                 f"auto over {self.config.budgets}" if self.config.auto else self.config.budget,
                 self.block_size,
@@ -142,6 +152,7 @@ def _define_worker() -> type:
                 self.config.graft,
                 self._table_line(),
                 self.tp_group.world_size,
+                "on" if self.overlap else "off",
             )
 
         @property
@@ -156,6 +167,14 @@ def _define_worker() -> type:
                     self._latency_model() if self.config.auto else None,
                 )
             return self._controller
+
+        @property
+        def recent(self) -> RecentOutputs:
+            """Every request row's output count and newest tokens (:mod:`.pending`)."""
+            if self._recent is None:
+                rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+                self._recent = RecentOutputs(rows, self.block_size, self.device)
+            return self._recent
 
         def _latency_model(self) -> LatencyModel:
             """The roofline prior of this target and drafter on this device."""
@@ -194,12 +213,17 @@ def _define_worker() -> type:
                 self._bind_table(batch.reqs)
                 self._samples.number(batch.reqs)
                 self._observe_prompts(batch.reqs)
-                self.controller.reset(batch.req_pool_indices.to(torch.int64))
+                rows = batch.req_pool_indices.to(torch.int64)
+                self.controller.reset(rows)
+                outputs_before = [len(req.output_ids) for req in batch.reqs]
                 if batch.return_logprob and compat.is_release("0.5.17"):
-                    return self._prefill(batch, on_publish)  # 0.5.17's refuses log-probs
-                return super().forward_batch_generation(
-                    batch, on_publish, grammar_barrier, **kwargs
-                )
+                    out = self._prefill(batch, on_publish)  # 0.5.17's refuses log-probs
+                else:
+                    out = super().forward_batch_generation(
+                        batch, on_publish, grammar_barrier, **kwargs
+                    )
+                self.recent.prefilled(rows, out.next_token_ids, outputs_before)
+                return out
             if batch.forward_mode.is_idle():
                 self._open_step = None
                 return super().forward_batch_generation(
@@ -241,10 +265,18 @@ def _define_worker() -> type:
             return out
 
         def _decode(self, batch: Any, on_publish: Any) -> Any:
+            if batch.seq_lens.is_cuda:  # under overlap gathered on SGLang's schedule stream:
+                # keep its memory from being reused there while this step still reads it
+                batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
+            rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
             if any(penalised(req.sampling_params) for req in batch.reqs):
-                backend.penalties = partial(batch_penalties, batch.reqs)
+                # req.output_ids lacks the previous step's tokens under overlap: the device
+                # keeps them (RecentOutputs).
+                backend.penalties = partial(
+                    batch_penalties, batch.reqs, recent=self.recent, rows=rows
+                )
             self._bind_table(batch.reqs)
             start = self._time_steps()
             result = decode_step(
@@ -254,7 +286,7 @@ def _define_worker() -> type:
                 batch_sampling(batch, self.device),
                 batch.spec_info.bonus_tokens.to(torch.int64),  # [bs] slot-0 tokens
                 prefix_lens,
-                batch.req_pool_indices.to(torch.int64),
+                rows,
                 timer=self._timer,
                 generator=self._generator,
                 time_step=False,  # timed by _time_steps
@@ -266,6 +298,7 @@ def _define_worker() -> type:
             if on_publish is not None:
                 on_publish(new_seq_lens)
             out_tokens = result.committed_tokens.clamp_min(0)  # [bs, P]
+            self.recent.committed(rows, out_tokens, result.commit_lens)
             if batch.return_logprob:
                 width = out_tokens.shape[1]
                 fill_decode_logprobs(

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_tree_spec.host_copy import to_device
+
 
 @dataclass(frozen=True)
 class TreePenalties:
@@ -70,14 +72,14 @@ class TreePenalties:
         """The state after the committed ``outputs`` (one token list per request)."""
         bs = len(outputs)
         f32 = {"dtype": torch.float32, "device": device}
-        freq = torch.tensor(frequency, **f32)
-        pres = torch.tensor(presence, **f32)
-        rep = torch.tensor(repetition, **f32)
+        freq = to_device(frequency, device, torch.float32)
+        pres = to_device(presence, device, torch.float32)
+        rep = to_device(repetition, device, torch.float32)
         width = max((len(out) for out in outputs), default=0)
         ids = torch.full((bs, width + 1), vocab_size, dtype=torch.int64)  # col V: padding
         for row, out in enumerate(outputs):
             ids[row, : len(out)] = torch.tensor(out, dtype=torch.int64)
-        ids = ids.to(device)
+        ids = to_device(ids, device)
         ones = torch.ones(bs, ids.shape[1], **f32)
         base_freq = torch.zeros(bs, vocab_size + 1, **f32)
         base_freq.scatter_add_(1, ids, freq[:, None] * ones)  # one addition per occurrence
@@ -88,7 +90,7 @@ class TreePenalties:
         for row, stops in enumerate(stop_tokens):
             stop_ids[row, : len(stops)] = torch.tensor(sorted(stops), dtype=torch.int64)
         stop = torch.zeros(bs, vocab_size + 1, dtype=torch.bool, device=device)
-        stop.scatter_(1, stop_ids.to(device), True)
+        stop.scatter_(1, to_device(stop_ids, device), True)
         return cls(
             frequency=freq,
             presence=pres,
@@ -96,9 +98,39 @@ class TreePenalties:
             base_frequency=base_freq[:, :vocab_size],
             base_presence=base_pres[:, :vocab_size],
             base_repetition=base_rep[:, :vocab_size],
-            min_new_tokens=torch.tensor(min_new_tokens, dtype=torch.int64, device=device),
-            output_lens=torch.tensor([len(o) for o in outputs], dtype=torch.int64, device=device),
+            min_new_tokens=to_device(min_new_tokens, device, torch.int64),
+            output_lens=to_device([len(o) for o in outputs], device, torch.int64),
             stop_tokens=stop[:, :vocab_size],
+        )
+
+    def with_missing(
+        self, tokens: torch.Tensor, valid: torch.Tensor, output_lens: torch.Tensor
+    ) -> TreePenalties:
+        """The state after the committed output plus ``tokens [bs, M]`` where ``valid [bs,
+        M]`` (output tokens the host's lists lack yet: overlap scheduling), with
+        ``output_lens [bs]`` the true output counts. Same arithmetic as :meth:`from_outputs`:
+        one frequency addition per occurrence (equal addends, so the order is immaterial)."""
+        bs, vocab_size = self.base_frequency.shape
+        ids = torch.where(valid, tokens, vocab_size)  # column V: padding
+        f32 = {"dtype": torch.float32, "device": ids.device}
+        ones = torch.ones(ids.shape, **f32)
+        pad = torch.zeros(bs, 1, **f32)
+        freq = torch.cat([self.base_frequency, pad], dim=1)
+        freq.scatter_add_(1, ids, self.frequency[:, None] * ones)
+        pres = torch.cat([self.base_presence, pad], dim=1)
+        pres.scatter_(1, ids, self.presence[:, None] * ones)
+        rep = torch.cat([self.base_repetition, pad + 1], dim=1)
+        rep.scatter_(1, ids, self.repetition[:, None] * ones)
+        return TreePenalties(
+            frequency=self.frequency,
+            presence=self.presence,
+            repetition=self.repetition,
+            base_frequency=freq[:, :vocab_size],
+            base_presence=pres[:, :vocab_size],
+            base_repetition=rep[:, :vocab_size],
+            min_new_tokens=self.min_new_tokens,
+            output_lens=output_lens.to(torch.int64),
+            stop_tokens=self.stop_tokens,
         )
 
 
