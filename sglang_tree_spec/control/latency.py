@@ -16,18 +16,17 @@ overhead (tree build, layout) and the drafter's own roofline over bs * block tok
 
 Online (host floats, no device work): every measured step feeds (a) a per-device linear
 calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
-"static linear calibration" learned online) and (b) per cell, the median of its last
-``window`` measured times. Step times on a shared machine come in bursts (the OS, a neighbour,
-the server's own other work: periods twice the usual, several in a row); an average takes them
-in, and since a cell is only measured when its budget is chosen, a rarely chosen cell keeps the
-burst it last saw, so an average made drafted cells look 25-50% dearer than plain steps. The
-median is what the next step costs outside a burst. A cell
-with a measurement reads its median; an unmeasured cell the calibrated prior. A batch-size bucket's
-row is then made non-decreasing in N (a weighted isotonic fit, measured cells weighing by their
-sample count; unmeasured cells clamped between their measured neighbours): a bigger tree never
-costs less, so a cell measured under a burst of load, or rarely, is pooled with its neighbours
-instead of standing out. Batch sizes map to
-buckets (the smallest bucket >= bs, as CUDA-graph padding runs them).
+"static linear calibration" learned online) and (b) per cell, its last ``window`` measured
+times. A measured cell reads their median, an unmeasured one the calibrated prior. Step times on
+a shared machine come in bursts (the OS, a neighbour, the server's own other work: periods twice
+the usual, several in a row); an average takes them in, and since a cell is only measured when
+its budget is chosen, a rarely chosen cell keeps the burst it last saw (an average made drafted
+cells look 25-50% dearer than plain steps). The median is what the next step costs outside a
+burst. A batch-size bucket's row is then made non-decreasing in N (a weighted isotonic fit,
+measured cells weighing by their sample count; unmeasured cells clamped between their measured
+neighbours): a bigger tree never costs less, so a cell measured under a burst of load, or
+rarely, is pooled with its neighbours instead of standing out. Batch sizes map to buckets (the
+smallest bucket >= bs, as CUDA-graph padding runs them).
 """
 
 from __future__ import annotations
@@ -239,7 +238,6 @@ class LatencyModel:
         self.bs_buckets = tuple(bs_buckets)
         self.config = config
         self._col = {b: i for i, b in enumerate(self.budgets)}
-        self.measured = [[0.0] * len(budgets) for _ in bs_buckets]  # per-cell median
         self._samples = [
             [collections.deque(maxlen=config.window) for _ in budgets] for _ in bs_buckets
         ]  # per cell, its last ``window`` times
@@ -299,7 +297,7 @@ class LatencyModel:
             zip(
                 measured,
                 isotonic(
-                    [self.measured[bucket][c] for c in measured],
+                    [statistics.median_low(self._samples[bucket][c]) for c in measured],
                     [min(float(counts[c]), self.config.max_weight) for c in measured],
                 ),
                 strict=True,
@@ -330,9 +328,7 @@ class LatencyModel:
         d = self.config.calib_decay
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self._sums[i] = self._sums[i] * d + v
-        samples = self._samples[bucket][column]
-        samples.append(seconds)
-        self.measured[bucket][column] = statistics.median_low(samples)
+        self._samples[bucket][column].append(seconds)
         self.count[bucket][column] += 1
         return True
 
