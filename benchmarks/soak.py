@@ -21,9 +21,10 @@ Checks, all counted in the record:
   token for token (finish reason too), an aborted one must be a prefix of it. Every seeded
   request is replayed on the same DDTREE server after the soak, in reverse order (other batch
   mates, other budgets): DDTREE's seeded sampling reproduces itself;
-* KV pool: ``sglang:num_used_tokens`` (``/metrics``: pool size minus free minus the radix
-  cache's evictable) once idle, before and after the soak, and its peak during the soak;
-  ``sglang:num_running_reqs`` / ``num_queue_reqs`` back to 0;
+* KV pool: ``num_used_tokens`` of SGLang's load snapshot (``/v1/loads``: pool size minus free
+  minus the radix cache's evictable; the scheduler republishes it whenever it goes idle, where
+  the ``/metrics`` gauge may keep a busy value for up to 30 s) once idle, before and after the
+  soak, and its peak during the soak; ``num_running_reqs`` / ``num_waiting_reqs`` back to 0;
 * resident memory of each server process (psutil) before and after the soak;
 * the server log: no ``Traceback``, ``ERROR``, or SGLang's idle ``memory leak detected`` /
   ``double free`` warnings.
@@ -240,27 +241,22 @@ def past_the_end(results: list[dict], reference: dict[int, dict]) -> list[int]:
     ]
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
-    """SGLang's scheduler gauges from ``/metrics`` (summed over label sets)."""
-    wanted = ("num_used_tokens", "token_usage", "num_running_reqs", "num_queue_reqs")
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"sglang:(\w+)(?:\{[^}]*\})? ([-+\d.eE]+|nan)$", line)
-        if match and match.group(1) in wanted:
-            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
-    return values
+def read_load(base_url: str) -> dict[str, float]:
+    """The scheduler's load snapshot (``/v1/loads``, rank 0): used KV tokens and requests."""
+    wanted = ("num_used_tokens", "token_usage", "num_running_reqs", "num_waiting_reqs")
+    with urllib.request.urlopen(f"{base_url}/v1/loads?include=core", timeout=60) as reply:
+        load = json.loads(reply.read())["loads"][0]
+    return {key: float(load.get(key, 0)) for key in wanted}
 
 
 def idle_state(base_url: str, timeout_s: float = 90.0) -> dict[str, float]:
-    """The gauges once the server is idle: no running or queued request, and the same values
-    on two reads two seconds apart (SGLang republishes its gauges when it goes idle)."""
+    """The load once the server is idle: no running or waiting request, and the same values
+    on two reads two seconds apart."""
     deadline = time.monotonic() + timeout_s
     previous = None
     while True:
-        state = read_metrics(base_url)
-        idle = state.get("num_running_reqs", 1) == 0 and state.get("num_queue_reqs", 1) == 0
+        state = read_load(base_url)
+        idle = state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
         if (idle and state == previous) or time.monotonic() > deadline:
             return state | {"settled": bool(idle and state == previous)}
         previous = state if idle else None
@@ -268,7 +264,7 @@ def idle_state(base_url: str, timeout_s: float = 90.0) -> dict[str, float]:
 
 
 class PeakWatcher:
-    """Samples the gauges every second during the soak: the peaks show the pool was used."""
+    """Samples the load every second during the soak: the peaks show the pool was used."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url, self.peak = base_url, {}
@@ -278,7 +274,7 @@ class PeakWatcher:
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             try:
-                state = read_metrics(self.base_url)
+                state = read_load(self.base_url)
             except OSError:
                 continue
             for key, value in state.items():
@@ -553,7 +549,7 @@ def markdown(record: dict) -> str:
             f"| aborted | {s['aborts']['planned']} planned: {s['aborts']['closed_mid_stream']} "
             f"connections closed mid-stream, {s['aborts']['abort_request_ended_abort']} ended "
             f"by `/abort_request`, {s['aborts']['finished_before_abort']} finished first |",
-            f"| KV pool used tokens (`sglang:num_used_tokens`) idle before / peak / idle after "
+            "| KV pool used tokens (`/v1/loads` `num_used_tokens`) idle before / peak / idle after "
             f"| {s['kv_idle_before']:.0f} / {s['kv_peak_used'] or 0:.0f} / "
             f"{s['kv_idle_after']:.0f} (back to idle: {s['kv_back_to_idle']}) |",
             f"| aborted outputs longer than the completed reference (abort taken before the "
