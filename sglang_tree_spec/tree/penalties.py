@@ -79,12 +79,15 @@ class TreePenalties:
         ids = torch.full((bs, width + 1), vocab_size, dtype=torch.int64)  # col V: padding
         for row, out in enumerate(outputs):
             ids[row, : len(out)] = torch.tensor(out, dtype=torch.int64)
-        ids = to_device(ids, device)
-        ones = torch.ones(bs, ids.shape[1], **f32)
-        base_freq = torch.zeros(bs, vocab_size + 1, **f32)
-        base_freq.scatter_add_(1, ids, freq[:, None] * ones)  # one addition per occurrence
-        base_pres = torch.zeros(bs, vocab_size + 1, **f32).scatter_(1, ids, pres[:, None] * ones)
-        base_rep = torch.ones(bs, vocab_size + 1, **f32).scatter_(1, ids, rep[:, None] * ones)
+        base_freq, base_pres, base_rep = _count(
+            torch.zeros(bs, vocab_size + 1, **f32),
+            torch.zeros(bs, vocab_size + 1, **f32),
+            torch.ones(bs, vocab_size + 1, **f32),
+            to_device(ids, device),
+            freq,
+            pres,
+            rep,
+        )
         stop_width = max((len(s) for s in stop_tokens), default=0)
         stop_ids = torch.full((bs, stop_width + 1), vocab_size, dtype=torch.int64)
         for row, stops in enumerate(stop_tokens):
@@ -111,16 +114,16 @@ class TreePenalties:
         ``output_lens [bs]`` the true output counts. Same arithmetic as :meth:`from_outputs`:
         one frequency addition per occurrence (equal addends, so the order is immaterial)."""
         bs, vocab_size = self.base_frequency.shape
-        ids = torch.where(valid, tokens, vocab_size)  # column V: padding
-        f32 = {"dtype": torch.float32, "device": ids.device}
-        ones = torch.ones(ids.shape, **f32)
-        pad = torch.zeros(bs, 1, **f32)
-        freq = torch.cat([self.base_frequency, pad], dim=1)
-        freq.scatter_add_(1, ids, self.frequency[:, None] * ones)
-        pres = torch.cat([self.base_presence, pad], dim=1)
-        pres.scatter_(1, ids, self.presence[:, None] * ones)
-        rep = torch.cat([self.base_repetition, pad + 1], dim=1)
-        rep.scatter_(1, ids, self.repetition[:, None] * ones)
+        pad = torch.zeros(bs, 1, dtype=torch.float32, device=tokens.device)
+        freq, pres, rep = _count(
+            torch.cat([self.base_frequency, pad], dim=1),
+            torch.cat([self.base_presence, pad], dim=1),
+            torch.cat([self.base_repetition, pad + 1], dim=1),
+            torch.where(valid, tokens, vocab_size),  # column V: padding
+            self.frequency,
+            self.presence,
+            self.repetition,
+        )
         return TreePenalties(
             frequency=self.frequency,
             presence=self.presence,
@@ -132,6 +135,25 @@ class TreePenalties:
             output_lens=output_lens.to(torch.int64),
             stop_tokens=self.stop_tokens,
         )
+
+
+def _count(
+    base_freq: torch.Tensor,
+    base_pres: torch.Tensor,
+    base_rep: torch.Tensor,
+    ids: torch.Tensor,
+    freq: torch.Tensor,
+    pres: torch.Tensor,
+    rep: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bases ``[bs, V + 1]`` (column V: padding) after the tokens ``ids [bs, M]`` (V where
+    none): one ``freq`` addition per occurrence, ``pres`` and ``rep`` set where a token
+    occurs. In place; returns the three bases."""
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    base_freq.scatter_add_(1, ids, freq[:, None] * ones)
+    base_pres.scatter_(1, ids, pres[:, None] * ones)
+    base_rep.scatter_(1, ids, rep[:, None] * ones)
+    return base_freq, base_pres, base_rep
 
 
 def _scaled(values: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
