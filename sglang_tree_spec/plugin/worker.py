@@ -136,7 +136,7 @@ def _define_worker() -> type:
                 else None
             )
             self._controller = None  # built on first use: the request pool comes later
-            self._recent: RecentOutputs | None = None  # likewise
+            self._recent: RecentOutputs | None = None  # likewise; kept under overlap only
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
             self._open_step: tuple[int, int, bool, float] | None = None  # see _time_steps
@@ -170,7 +170,8 @@ def _define_worker() -> type:
 
         @property
         def recent(self) -> RecentOutputs:
-            """Every request row's output count and newest tokens (:mod:`.pending`)."""
+            """Every request row's output count and newest tokens (:mod:`.pending`); kept
+            under overlap only (synchronous, ``req.output_ids`` is complete at every step)."""
             if self._recent is None:
                 rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
                 self._recent = RecentOutputs(rows, self.block_size, self.device)
@@ -222,7 +223,8 @@ def _define_worker() -> type:
                     out = super().forward_batch_generation(
                         batch, on_publish, grammar_barrier, **kwargs
                     )
-                self.recent.prefilled(rows, out.next_token_ids, outputs_before)
+                if self.overlap:
+                    self.recent.prefilled(rows, out.next_token_ids, outputs_before)
                 return out
             if batch.forward_mode.is_idle():
                 self._open_step = None
@@ -274,9 +276,8 @@ def _define_worker() -> type:
             if any(penalised(req.sampling_params) for req in batch.reqs):
                 # req.output_ids lacks the previous step's tokens under overlap: the device
                 # keeps them (RecentOutputs).
-                backend.penalties = partial(
-                    batch_penalties, batch.reqs, recent=self.recent, rows=rows
-                )
+                recent = self.recent if self.overlap else None
+                backend.penalties = partial(batch_penalties, batch.reqs, recent=recent, rows=rows)
             self._bind_table(batch.reqs)
             start = self._time_steps()
             result = decode_step(
@@ -298,7 +299,8 @@ def _define_worker() -> type:
             if on_publish is not None:
                 on_publish(new_seq_lens)
             out_tokens = result.committed_tokens.clamp_min(0)  # [bs, P]
-            self.recent.committed(rows, out_tokens, result.commit_lens)
+            if self.overlap:
+                self.recent.committed(rows, out_tokens, result.commit_lens)
             if batch.return_logprob:
                 width = out_tokens.shape[1]
                 fill_decode_logprobs(
