@@ -23,7 +23,9 @@
 # acceptance is printed every EVAL_EVERY steps. One stage of STEPS steps (batch BATCH, ANCHORS
 # anchors); it stops at STEPS, after MAX_MINUTES of training, or once the held-out slot-1
 # acceptance reaches STOP_ACC, whichever comes first; the same command resumes it (checkpoint
-# every SAVE_EVERY steps in $WORK/train-long).
+# every SAVE_EVERY steps in $WORK/train-long). INIT_FROM=<drafter dir> starts the run from that
+# drafter's weights (e.g. the shipped one, sglang_tree_spec/assets/smollm2-135m-instruct-dflash)
+# instead of a random init, with a fresh optimizer and schedule.
 #
 #   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
 #
@@ -59,6 +61,7 @@ case "$recipe" in
       --eval-every "${EVAL_EVERY:-200}" --save-every "${SAVE_EVERY:-100}")
     if [ -n "${MAX_MINUTES:-}" ]; then extra+=(--max-minutes "$MAX_MINUTES"); fi
     if [ -n "${STOP_ACC:-}" ]; then extra+=(--stop-heldout-acc "$STOP_ACC"); fi
+    if [ -n "${INIT_FROM:-}" ]; then extra+=(--init-from "$INIT_FROM"); fi
     ;;
   *)
     echo "train-smollm2-drafter: RECIPE=$recipe is neither replay nor long" >&2

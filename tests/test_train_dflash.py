@@ -241,3 +241,26 @@ def test_cli_trains_from_jsonl(target_dir, tmp_path):
     assert run_train_drafter(args) == 0
     assert len(read_log(out)) == 3
     assert DFlashDrafter.from_pretrained(out).block_size == 4
+
+
+def test_init_from_starts_a_fresh_run_from_a_drafters_weights(target_dir, tmp_path):
+    """``init_from`` loads a trained drafter's weights at step 0 (fresh optimizer, schedule from
+    the start): with lr 0 the run ends on exactly those weights, and it starts where that drafter
+    left off (a lower first loss than a random init); a drafter of another shape is refused."""
+    trained = tmp_path / "trained"
+    train_dflash(train_config(target_dir, trained, steps=60))
+    frozen = tmp_path / "frozen"
+    train_dflash(train_config(target_dir, frozen, steps=2, lr=0.0, init_from=str(trained)))
+    expected = load_file(str(trained / "model.safetensors"))
+    actual = load_file(str(frozen / "model.safetensors"))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value)
+
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    train_dflash(train_config(target_dir, warm, steps=5, log_every=5, init_from=str(trained)))
+    train_dflash(train_config(target_dir, cold, steps=5, log_every=5))
+    assert read_log(warm)[0]["step"] == 5  # counted from 0, not from the source's 60
+    assert read_log(warm)[0]["loss"] < 0.9 * read_log(cold)[0]["loss"]
+
+    with pytest.raises(ValueError, match="num_layers=1"):
+        train_dflash(train_config(target_dir, tmp_path / "x", num_layers=2, init_from=str(trained)))

@@ -89,6 +89,7 @@ class TrainConfig:
     eval_anchors: int = 8  # anchors per held-out record
     max_minutes: float | None = None  # stop (and save) after this much training time
     stop_heldout_acc: float | None = None  # stop (and save) once held-out slot-1 acc >= this
+    init_from: str | None = None  # a fresh run starts from this drafter's weights (not random)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,19 +438,24 @@ def load_target(path: str, device: torch.device) -> PreTrainedModel:
 def _load_or_init(
     cfg: TrainConfig, target: PreTrainedModel, device: torch.device
 ) -> tuple[DFlashDrafter, torch.optim.Optimizer, int]:
-    """Resume drafter, optimizer and step from ``out_dir`` if a trainer state is there."""
+    """Resume drafter, optimizer and step from ``out_dir`` if a trainer state is there; else
+    start at step 0 from ``init_from``'s weights (fresh optimizer) or a random init."""
     out = Path(cfg.out_dir)
     state_path = out / TRAINER_STATE_NAME
-    if state_path.exists() and (out / CONFIG_NAME).exists():
-        drafter = DFlashDrafter.from_pretrained(out, device=device, dtype=torch.float32)
+    resume = state_path.exists() and (out / CONFIG_NAME).exists()
+    state, step = None, 0
+    if resume or cfg.init_from:
+        source = out if resume else Path(cfg.init_from)
+        drafter = DFlashDrafter.from_pretrained(source, device=device, dtype=torch.float32)
         if drafter.block_size != cfg.block_size or len(drafter.layers) != cfg.num_layers:
             raise ValueError(
-                f"checkpoint in {out} has block_size={drafter.block_size}, "
+                f"drafter in {source} has block_size={drafter.block_size}, "
                 f"num_layers={len(drafter.layers)}; the config asks for {cfg.block_size}, "
                 f"{cfg.num_layers}"
             )
-        state = torch.load(state_path, map_location=device, weights_only=True)
-        step = int(state["step"])
+        if resume:
+            state = torch.load(state_path, map_location=device, weights_only=True)
+            step = int(state["step"])
     else:
         drafter = DFlashDrafter.random_init(
             target.config,
@@ -458,7 +464,6 @@ def _load_or_init(
             seed=cfg.seed,
             mask_token_id=cfg.mask_token_id,
         ).to(device)
-        state, step = None, 0
     drafter.check_compatible(target.config)
     drafter.train()
     optimizer = torch.optim.AdamW(
@@ -826,6 +831,12 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop and save once the held-out slot-1 acceptance reaches this",
     )
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        help="start a fresh run from this drafter's weights (e.g. the shipped one) instead of "
+        "a random init; the optimizer and schedule start anew",
+    )
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
@@ -858,6 +869,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         eval_anchors=args.eval_anchors,
         max_minutes=args.max_minutes,
         stop_heldout_acc=args.stop_heldout_acc,
+        init_from=args.init_from,
     )
     print(train_dflash(cfg))
     return 0
