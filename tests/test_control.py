@@ -429,6 +429,31 @@ def test_a_row_never_predicts_a_bigger_tree_cheaper():
     assert row[4] >= row[3]  # unmeasured 32: at least 16's
 
 
+def test_exploration_re_measures_plain_steps_while_auto_drafts():
+    """C(bs, 0) is measured by plain steps only: while auto sits at a budget > 0, the stalest
+    cell is sometimes budget 0's, and then a plain step (no draft) comes right before the
+    exploration step, which takes the stalest budget > 0. A strong drafter keeps auto drafting."""
+    ctl = roofline_controller(profile_steps=1, explore_every=4)
+    tree = strong_or_useless_tree(1, strong=True)
+    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    steps = []
+    for _ in range(len(ctl.config.budgets) + 16):  # the profile, then 16 steps
+        drafted = ctl.should_draft(1)
+        budget = ctl.choose(fc if drafted else None, 1)
+        ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)  # drafting pays
+        steps.append((budget, drafted))
+    after = steps[len(ctl.config.budgets) :]
+    plain = [i for i, (_, drafted) in enumerate(after) if not drafted]
+    assert plain == [3]  # budget 0's cell (stamped at the profile) is explored first, once
+    assert after[3] == (0, False)
+    assert ctl.latency.count[0][0] == 2  # the profile's plain step and the explored one
+    best = after[0][0]
+    assert best > 0 and [b for i, (b, _) in enumerate(after) if i not in (3, 4, 8, 12)] == (
+        [best] * 12
+    )
+    assert len({after[i][0] for i in (4, 8, 12)} - {best}) == 3  # then the stalest > 0
+
+
 def test_exploration_re_measures_the_stalest_budget():
     """After the profile, every ``explore_every``-th drafted step takes the budget measured
     longest ago, whatever the model prefers."""

@@ -69,9 +69,11 @@ class ControlConfig:
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
-    explore_every: after the profile, every this many drafted steps re-measure the budget > 0
+    explore_every: after the profile, every this many drafted steps re-measure the budget
         whose cell in this batch-size bucket was measured longest ago (0: never), so a cell
-        measured once under a burst of load is not avoided for ever.
+        measured once under a burst of load is not avoided for ever; when that is budget 0,
+        the step before the exploration step is a plain one (no draft), and the exploration
+        step then takes the stalest budget > 0.
     tie_rtol: objectives within this relative margin of the best count as ties.
     calibration: the acceptance calibration's decays and priors.
     """
@@ -198,12 +200,20 @@ class BudgetController:
             None,
         )  # fmt: skip
 
-    def _stalest(self, bs: int, tree_budget: int) -> int:
-        """The candidate > 0 (up to the tree's size) measured longest ago in ``bs``'s bucket."""
+    def _stalest(self, bs: int, budgets: list[int]) -> int:
+        """The candidate of ``budgets`` measured longest ago in ``bs``'s bucket."""
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
-        budgets = [b for b in self.config.budgets if 0 < b <= tree_budget]
         return min(budgets, key=lambda b: stamps.get(b, -1))
+
+    def _explores_plain(self, bs: int) -> bool:
+        """The next drafted step is an exploration step and budget 0's cell is the stalest:
+        take a plain step instead (C(bs, 0) is measured by plain steps only, and auto sitting
+        at a budget > 0 takes none)."""
+        every = self.config.explore_every
+        if not every or (self._drafted_steps + 1) % every:
+            return False
+        return self._stalest(bs, list(self.config.budgets)) == 0
 
     def should_draft(self, bs: int) -> bool:
         """Host only. False while auto keeps choosing 0 (except for its probes, see
@@ -213,9 +223,9 @@ class BudgetController:
             return self.config.fixed_budget > 0
         if self._to_profile(bs) is not None:
             return self._to_profile(bs) != 0
-        if self.last_budget != 0 and not self._plain:
-            return True
-        return self._arrivals >= bs or self._steps_since_draft + 1 >= self._probe_interval
+        if self._plain:
+            return self._arrivals >= bs or self._steps_since_draft + 1 >= self._probe_interval
+        return not self._explores_plain(bs)
 
     def forecast(
         self,
@@ -263,7 +273,8 @@ class BudgetController:
         self._drafted_steps += 1
         every = self.config.explore_every
         if every and self._drafted_steps % every == 0:
-            return self._count(self._stalest(bs, forecast.tree_budget))
+            budgets = [b for b in self.config.budgets if 0 < b <= forecast.tree_budget]
+            return self._count(self._stalest(bs, budgets))
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
         choice = partial(
             best_budget,
