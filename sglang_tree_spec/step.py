@@ -6,9 +6,10 @@ operations that touch their models and caches, and call :func:`decode_step`:
 
     draft top-K -> choose budget -> select tree -> layout -> verify -> accept -> learn -> keep
 
-Sizes: ``bs`` requests, ``L`` drafted depths, ``K`` top-K per depth, ``B`` tree budget, ``W =
-B + 1`` verify-window slots (the root, i.e. the last bonus token, is slot 0), ``P = min(L, B) +
-1`` slots of the longest path, ``V`` vocabulary.
+Sizes: ``bs`` requests, ``L`` drafted depths (the drafter's block - 1, at most the largest
+budget), ``K`` top-K per depth, ``B`` tree budget, ``W = B + 1`` verify-window slots (the root,
+i.e. the last bonus token, is slot 0), ``P = min(L, B) + 1`` slots of the longest path, ``V``
+vocabulary.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class StepBackend(Protocol):
     """The model-side operations of a decode step (an engine's or a server's)."""
 
     def draft_topk(
-        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int
+        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int, depths: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter forward over ``[bonus, MASK x L]``: top-K ``[bs, L, K]`` log-probs
-        (sorted descending) and token ids of the drafted depths."""
+        """One drafter forward over ``[bonus, MASK x L]``: top-K ``[bs, D, K]`` log-probs
+        (sorted descending) and token ids of the first ``D = min(L, depths)`` drafted depths
+        (a tree of ``B`` nodes is at most ``B`` deep: the LM head skips the deeper slots)."""
         ...
 
     def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
@@ -185,7 +187,9 @@ def decode_step(
     drafted = selector is not None and controller.should_draft(bs)
     topk_logprobs, forecast, budget = None, None, 0
     if drafted:
-        topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, selector.topk)
+        topk_logprobs, topk_tokens = backend.draft_topk(
+            bonus, prefix_lens, selector.topk, controller.config.max_budget
+        )
         timer.mark("draft")
         if controller.auto:  # one tree at the largest budget; every candidate nests in it
             largest = _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus)

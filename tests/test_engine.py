@@ -245,3 +245,28 @@ def test_auto_budget_changes_budgets_not_tokens():
     assert served == {0, 4, 8, 16}, served
     # A random drafter is no use: once profiled, auto decodes plainly (and drafts to probe).
     assert Counter(results[0].stats.budgets).most_common(1)[0][0] == 0
+
+
+def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
+    """A tree of ``B`` nodes is at most ``B`` deep: each step's draft top-K covers the first
+    ``min(L, largest budget)`` depths only (the LM head is the drafter's largest matmul), and
+    the tokens are those of plain decoding."""
+    from sglang_tree_spec.engine.backend import TransformersBackend
+
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, 16, seed=3)
+    shapes = []
+    original = TransformersBackend.draft_topk
+
+    def recording(self, bonus, prefix_lens, k, depths):
+        logprobs, tokens = original(self, bonus, prefix_lens, k, depths)
+        shapes.append(tuple(logprobs.shape))
+        return logprobs, tokens
+
+    monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
+    want = [r.tokens for r in SpecEngine(target, method="ar").generate(PROMPTS, 12, stop_token_ids=[])]
+    for budget, depths in ((4, 4), (64, 15)):
+        shapes.clear()
+        engine = SpecEngine(target, drafter, "ddtree", budget=budget)
+        assert [r.tokens for r in engine.generate(PROMPTS, 12, stop_token_ids=[])] == want
+        assert shapes and {s[1] for s in shapes} == {depths}, (budget, shapes)

@@ -660,11 +660,17 @@ class DFlashContextCache:
 
     @torch.no_grad()
     def draft_logits(
-        self, block_token_ids: torch.Tensor, embed: nn.Module, lm_head: nn.Module
+        self,
+        block_token_ids: torch.Tensor,
+        embed: nn.Module,
+        lm_head: nn.Module,
+        depths: int | None = None,
     ) -> torch.Tensor:
-        """Marginal logits ``[bs, Q - 1, V]`` of block slots ``1 .. Q - 1``: row ``j`` scores
+        """Marginal logits ``[bs, D, V]`` of block slots ``1 .. D`` (``D = Q - 1``, or at most
+        ``depths``: the whole block runs, the LM head skips the later slots): row ``j`` scores
         the token at absolute position ``lengths[i] + j + 1`` (slot 0, the anchor, dropped)."""
-        hidden = self.draft_hidden(block_token_ids, embed)[:, 1:]
+        end = None if depths is None else depths + 1
+        hidden = self.draft_hidden(block_token_ids, embed)[:, 1:end]
         return lm_head(hidden.to(_module_dtype(lm_head)))
 
     def draft_topk(

@@ -42,12 +42,13 @@ class TransformersBackend:
         self._hidden: tuple[torch.Tensor, ...] | None = None  # of the last verify
 
     def draft_topk(
-        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int
+        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int, depths: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = self.drafter.block_token_ids(bonus)  # [bs, L + 1]
         embed = self.target.get_input_embeddings()
         head = self.target.get_output_embeddings()
-        return topk_from_logits(self.draft_cache.draft_logits(blocks, embed, head), k)
+        logits = self.draft_cache.draft_logits(blocks, embed, head, depths)  # [bs, D, V]
+        return topk_from_logits(logits, k)
 
     def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
         self._past_len = self.cache.layers[0].keys.shape[2]

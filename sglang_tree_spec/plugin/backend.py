@@ -65,9 +65,10 @@ class SGLangBackend:
     # --- draft --------------------------------------------------------------------------
 
     def draft_topk(
-        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int
+        self, bonus: torch.Tensor, prefix_lens: torch.Tensor, k: int, depths: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter forward; top-K ``[bs, L, K]`` log-probs and ids of slots 1..L."""
+        """One drafter forward over the whole block; top-K ``[bs, D, K]`` log-probs and ids
+        of slots ``1 .. D``, ``D = min(L, depths)`` (the LM head runs on those slots only)."""
         from sglang.srt.model_executor.forward_batch_info import (
             CaptureHiddenMode,
             ForwardBatch,
@@ -103,7 +104,7 @@ class SGLangBackend:
         )
         with torch.inference_mode():
             draft_out = worker.draft_model_runner.forward(forward_batch)
-            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
+            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1 : depths + 1]
             return self._topk_of_lm_head(target_model.lm_head, hidden, k)
 
     def _topk_of_lm_head(
