@@ -264,7 +264,9 @@ def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
         return logprobs, tokens
 
     monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
-    want = [r.tokens for r in SpecEngine(target, method="ar").generate(PROMPTS, 12, stop_token_ids=[])]
+    want = [
+        r.tokens for r in SpecEngine(target, method="ar").generate(PROMPTS, 12, stop_token_ids=[])
+    ]
     for budget, depths in ((4, 4), (64, 15)):
         shapes.clear()
         engine = SpecEngine(target, drafter, "ddtree", budget=budget)
