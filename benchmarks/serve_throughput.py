@@ -122,6 +122,8 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
                     "--speculative-ddtree-budget", budget]  # fmt: skip
         if config.startswith("ddtree-graft:"):
             command += ["--speculative-ddtree-graft", "unified"]
+        if budget == "auto" and args.auto_candidates:
+            command += ["--speculative-ddtree-candidates", args.auto_candidates]
         return command
     if config == "none":
         return command
@@ -384,6 +386,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drafter", type=Path, default=SMALL_PAIR_DIR / "drafter")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     parser.add_argument("--auto-max-budget", type=int, default=32, help="ddtree:auto's largest")
+    parser.add_argument(
+        "--auto-candidates",
+        default=None,
+        help="ddtree:auto's candidate budgets, e.g. 0,1,2,4,8 (default: the server's)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)

@@ -72,3 +72,34 @@ def test_verify_attention_matches_a_naive_loop(mode):
         rows = slice(b * window, (b + 1) * window)
         expected = naive(query[rows], k_cache, v_cache, slots, allowed, scale)
         torch.testing.assert_close(out[rows], expected)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "window", "masked"),
+    [((7,), 1, False), ((7, 7), 1, False), ((7, 4), 1, True), ((7,), 3, True)],
+)
+def test_plain_steps_of_one_length_attend_unmasked(prefix, window, masked):
+    """A plain step (``W = 1``) of requests of one length attends to every column: the index
+    carries no mask (SDPA's unmasked fast path) and the output is the naive loop's; ragged
+    lengths or a causal window keep the mask."""
+    gen = torch.Generator().manual_seed(3)
+    bs = len(prefix)
+    prefix_lens = torch.tensor(prefix)
+    req_to_token = torch.randperm(64, generator=gen)[: bs * 16].view(bs, 16)
+    req_pool_indices = torch.arange(bs).flip(0)
+    k_cache = torch.randn(64, KV_HEADS, DIM, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(64, KV_HEADS, DIM, generator=gen, dtype=torch.float64)
+    query = torch.randn(bs * window, HEADS, DIM, generator=gen, dtype=torch.float64)
+    index = verify_index(
+        req_to_token, req_pool_indices, prefix_lens, window, flat_mask=None, causal=True
+    )
+    assert (index.allowed is not None) == masked
+    out = torch.empty_like(query)
+    verify_attention(query, out, k_cache, v_cache, index, scale=DIM**-0.5, enable_gqa=True)
+    for b in range(bs):
+        length = int(prefix_lens[b]) + window
+        slots = req_to_token[req_pool_indices[b], :length]
+        allowed = torch.ones(window, length, dtype=torch.bool).tril(length - window)
+        rows = slice(b * window, (b + 1) * window)
+        expected = naive(query[rows], k_cache, v_cache, slots, allowed, DIM**-0.5)
+        torch.testing.assert_close(out[rows], expected)

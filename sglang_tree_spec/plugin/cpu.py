@@ -269,11 +269,13 @@ class VerifyIndex(NamedTuple):
     Attributes:
         slots: ``[bs, K]`` KV slot of each request's column ``k < prefix + W`` (0 past it),
             ``K`` the longest ``prefix + W``.
-        allowed: ``[bs, 1, W, K]`` which columns each window token attends to.
+        allowed: ``[bs, 1, W, K]`` which columns each window token attends to; None when
+            every token attends to every column (a plain step of requests of one length): the
+            attention then runs unmasked, SDPA's fast path.
     """
 
     slots: torch.Tensor
-    allowed: torch.Tensor
+    allowed: torch.Tensor | None
 
 
 def verify_index(
@@ -318,6 +320,8 @@ def verify_index(
     else:
         allowed = torch.ones(bs, window, max_kv, dtype=torch.bool, device=device)
     allowed = allowed & in_range[:, None, :]  # [bs, W, K]
+    if bool(allowed.all()):  # a host read, once per forward (this backend runs on CPU)
+        return VerifyIndex(slots, None)
     return VerifyIndex(slots, allowed[:, None])
 
 
@@ -340,7 +344,8 @@ def verify_attention(
         query: ``[bs * W, H, D]``; out: ``[bs * W, H, Dv]``, written in place.
         k_cache, v_cache: ``[slots, H_kv, D]`` KV pools.
     """
-    bs, _, window, _ = index.allowed.shape
+    bs = index.slots.shape[0]
+    window = query.shape[0] // bs
     heads, dim = query.shape[1], query.shape[2]
     q = query.view(bs, window, heads, dim).transpose(1, 2)  # [bs, H, W, D]
     k = k_cache[index.slots].transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
