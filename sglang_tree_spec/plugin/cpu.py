@@ -348,8 +348,10 @@ def verify_attention(
     window = query.shape[0] // bs
     heads, dim = query.shape[1], query.shape[2]
     q = query.view(bs, window, heads, dim).transpose(1, 2)  # [bs, H, W, D]
-    k = k_cache[index.slots].transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
-    v = v_cache[index.slots].transpose(1, 2).to(q.dtype)
+    flat_slots = index.slots.view(-1)  # index_select: 2.5-5x faster than k_cache[slots] on CPU
+    k = k_cache.index_select(0, flat_slots).view(bs, -1, *k_cache.shape[1:])  # [bs, K, H_kv, D]
+    v = v_cache.index_select(0, flat_slots).view(bs, -1, *v_cache.shape[1:])
+    k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [bs, H_kv, K, D]
     o = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=index.allowed, scale=scale, enable_gqa=enable_gqa
     )  # [bs, H, W, Dv]
