@@ -117,8 +117,10 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
     if config.startswith(("ddtree:", "ddtree-graft:")):
         budget = config.split(":", 1)[1]
         largest = args.auto_max_budget if budget == "auto" else int(budget)
+        # SGLang reserves 2 x num-draft-tokens KV slots a step; the drafter's block must fit.
+        window = max(largest + 1, -(-drafter_block(args.drafter) // 2))
         command += ["--speculative-algorithm", "DDTREE", *drafter,
-                    "--speculative-num-draft-tokens", str(largest + 1),
+                    "--speculative-num-draft-tokens", str(window),
                     "--speculative-ddtree-budget", budget]  # fmt: skip
         if config.startswith("ddtree-graft:"):
             command += ["--speculative-ddtree-graft", "unified"]
