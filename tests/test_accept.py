@@ -405,3 +405,27 @@ def test_target_probs_min_p_drops_tokens_below_a_fraction_of_the_best():
         assert int((probs[b, 0] > 0).sum()) < 6  # the cut removed something
     plain = target_probs(logits, temperature=1.0, top_k=top_k, top_p=0.95)
     assert not torch.allclose(plain, probs)
+
+
+def test_an_empty_tree_commits_the_targets_token_at_the_root():
+    """A plain step (budget 0): nothing accepted, the root's argmax (greedy) or its draw with
+    coin 0 (sampling) committed, the root its path; the layout is the root at the prefix."""
+    from sglang_tree_spec.tree.select import empty_tree
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 1, 11, generator=generator)
+    tree = empty_tree(3, "cpu")
+    greedy = greedy_accept(tree, logits.argmax(-1))
+    assert greedy.accept_len.tolist() == [0, 0, 0]
+    assert greedy.bonus.tolist() == logits[:, 0].argmax(-1).tolist()
+    assert greedy.accepted_slots.tolist() == [[0]] * 3
+    assert greedy.committed_tokens.tolist() == [[t] for t in greedy.bonus.tolist()]
+    coins = torch.tensor([[0.1], [0.5], [0.97]], dtype=torch.float64)
+    sampled = sample_accept(tree, logits, 1.0, uniforms=coins)
+    cdf = logits[:, 0].softmax(-1).double().cumsum(-1)
+    assert sampled.bonus.tolist() == (cdf <= coins).sum(-1).tolist()
+    assert sampled.committed_tokens.tolist() == [[t] for t in sampled.bonus.tolist()]
+    layout = build_verify_layout(tree, torch.tensor([4, 5, 6]), torch.tensor([7, 0, 2]))
+    assert layout.tokens.tolist() == [[4], [5], [6]]
+    assert layout.positions.tolist() == [[7], [0], [2]]
+    assert layout.ancestor_mask.tolist() == [[[True]]] * 3

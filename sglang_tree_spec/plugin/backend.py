@@ -77,6 +77,7 @@ class SGLangBackend:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         worker = self.worker
+        self.write_deferred_context(prefix_lens)  # the block attends to every cached token
         bs, block = bonus.shape[0], worker.block_size
         block_ids = torch.full(
             (bs, block), int(worker._mask_token_id), dtype=torch.int64, device=bonus.device
@@ -146,8 +147,11 @@ class SGLangBackend:
         window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
         mask_size = window * int((self.host_prefix_lens + window).sum())  # FULL_MASK entries
-        mask = torch.empty(mask_size, dtype=torch.bool, device=prefix_lens.device)
-        write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+        if window == 1:  # a plain step: the root sees its prefix and itself
+            mask = torch.ones(mask_size, dtype=torch.bool, device=prefix_lens.device)
+        else:
+            mask = torch.empty(mask_size, dtype=torch.bool, device=prefix_lens.device)
+            write_full_mask(layout.ancestor_mask, prefix_lens, mask)
         verify_input = DFlashVerifyInput(
             draft_token=layout.tokens.reshape(-1),
             positions=layout.positions.reshape(-1),
@@ -215,9 +219,19 @@ class SGLangBackend:
         """Path slot ``j``'s target KV moves to window slot ``j`` (position prefix + j; off
         the path the move is a no-op; the root, ``j = 0``, is in place already, so a plain
         step moves nothing); the drafter's context KV for those positions is written from the
-        path's target hidden states."""
+        path's target hidden states (a plain step's is deferred to the next draft,
+        :mod:`.deferred`)."""
         bs, width = path_slots.shape
         window_locs = self._window_locs
+        hidden = self.logits_output.hidden_states.view(bs, window_locs.shape[1], -1)
+        deferred = self.worker.deferred_context(hidden)
+        if width == 1 and deferred is not None:
+            if deferred.is_full(self.host_rows):
+                self.write_deferred_context(self._window_pos[:, 0])
+            rows = self.batch.req_pool_indices.to(torch.int64)
+            deferred.stash(self.host_rows, rows, self._window_pos[:, 0], hidden[:, 0])
+            self.logits_output.hidden_states = None
+            return
         slots = path_slots.clamp_min(0)
         dst_locs = window_locs[:, :width]
         if width > 1:
@@ -228,7 +242,6 @@ class SGLangBackend:
             self.worker.model_runner.token_to_kv_pool.move_kv_cache(
                 moved.flatten(), src_locs.flatten()
             )
-        hidden = self.logits_output.hidden_states.view(bs, window_locs.shape[1], -1)
         path_hidden = hidden.gather(1, slots[:, :, None].expand(-1, -1, hidden.shape[-1]))
         self.worker._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
@@ -238,3 +251,28 @@ class SGLangBackend:
             commit_lens=commit_lens.to(torch.int32),
         )
         self.logits_output.hidden_states = None
+
+    @property
+    def host_rows(self) -> list[int]:
+        """The batch's request rows, from the host requests (no device read)."""
+        return [req.req_pool_idx for req in self.batch.reqs]
+
+    def write_deferred_context(self, prefix_lens: torch.Tensor) -> None:
+        """Write the batch's pending plain-step drafter context (:mod:`.deferred`), its
+        requests having ``prefix_lens [bs]`` cached tokens now."""
+        deferred = self.worker.deferred_context()
+        if deferred is None:
+            return
+        rows = self.batch.req_pool_indices.to(torch.int64)
+        taken = deferred.take(self.host_rows, rows, prefix_lens)
+        if taken is None:
+            return
+        hidden, positions, counts = taken  # [bs, n, Hc], [bs, n], [bs]
+        locs = self._slots(positions)  # [bs, n]
+        self.worker._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden.reshape(-1, hidden.shape[-1]),
+            cache_loc=locs.reshape(-1),
+            cache_loc_2d=locs,
+            positions=positions.reshape(-1),
+            commit_lens=counts.to(torch.int32),
+        )

@@ -116,6 +116,7 @@ REQ_ATTRIBUTES = (
     "finished",
     "output_ids",
     "grammar",
+    "req_pool_idx",
 )
 
 # The Req attributes SGLang separates prefix caches by, per release: the isolation key of

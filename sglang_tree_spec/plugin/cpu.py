@@ -295,7 +295,8 @@ def verify_index(
         req_to_token: ``[rows, context]`` KV slots per request row; the window's KV is
             written at ``req_to_token[req, prefix : prefix + W]``.
         prefix_lens: ``[bs]`` cached tokens before the window.
-        flat_mask: SGLang FULL_MASK (True = may attend) or None.
+        flat_mask: SGLang FULL_MASK (True = may attend) or None; not read for a 1-token
+            window, whose row is its prefix and itself.
         causal: without a mask, window token ``i`` sees window tokens ``<= i``; else all.
     """
     bs = prefix_lens.shape[0]
@@ -309,7 +310,7 @@ def verify_index(
     slots = req_to_token[req_pool_indices.to(torch.long)[:, None], table_columns[None, :]]
     slots = torch.where(in_range, slots.to(torch.long), 0)  # [bs, K], padding -> slot 0
 
-    if flat_mask is not None:
+    if flat_mask is not None and window > 1:  # (a 1-token window sees its prefix and itself)
         # Request b's block: W rows of kv_len[b] columns from indptr[b] (see layout.py).
         indptr = torch.cumsum(window * kv_lens, 0) - window * kv_lens  # [bs]
         flat = indptr[:, None, None] + rows[None, :, None] * kv_lens[:, None, None]

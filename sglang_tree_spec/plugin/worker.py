@@ -35,6 +35,7 @@ from sglang_tree_spec.host_copy import to_device
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
+from sglang_tree_spec.plugin.deferred import DeferredContext
 from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs_requested
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
@@ -137,6 +138,8 @@ def _define_worker() -> type:
             )
             self._controller = None  # built on first use: the request pool comes later
             self._recent: RecentOutputs | None = None  # likewise; kept under overlap only
+            self._deferred: DeferredContext | None = None  # built at the first plain step
+            self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
             self._open_step: tuple[int, int, bool, float] | None = None  # see _time_steps
@@ -177,6 +180,18 @@ def _define_worker() -> type:
                 self._recent = RecentOutputs(rows, self.block_size, self.device)
             return self._recent
 
+        def deferred_context(self, hidden: torch.Tensor | None = None) -> Any:
+            """The plain steps' pending drafter context (:mod:`.deferred`), sized at the first
+            call with the target's hidden states ``hidden [bs, W, Hc]``; None when a buffer of
+            every request row would not fit its size limit (the context is then written every
+            step, as DFlash does)."""
+            if not self._deferred_sized and hidden is not None:
+                rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+                per_token = hidden.shape[-1] * hidden.element_size()
+                self._deferred = DeferredContext.for_pool(rows, per_token)
+                self._deferred_sized = True
+            return self._deferred
+
         def _latency_model(self) -> LatencyModel:
             """The roofline prior of this target and drafter on this device."""
             runner = self.target_worker.model_runner
@@ -216,6 +231,8 @@ def _define_worker() -> type:
                 self._observe_prompts(batch.reqs)
                 rows = batch.req_pool_indices.to(torch.int64)
                 self.controller.reset(rows)
+                if self._deferred is not None:
+                    self._deferred.reset([req.req_pool_idx for req in batch.reqs])
                 outputs_before = [len(req.output_ids) for req in batch.reqs]
                 if batch.return_logprob and compat.is_release("0.5.17"):
                     out = self._prefill(batch, on_publish)  # 0.5.17's refuses log-probs

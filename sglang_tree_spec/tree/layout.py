@@ -170,7 +170,12 @@ def build_verify_layout(
         prefix_lens: ``[bs]`` int64 tokens already in each request's KV cache.
     """
     bs = tree.batch_size
-    tokens = torch.cat([root_tokens.view(bs, 1).to(torch.long), tree.tokens], dim=1)
+    root = root_tokens.view(bs, 1).to(torch.long)
+    if tree.budget == 0:  # a plain step: the root alone, which sees itself
+        mask = torch.ones(bs, 1, 1, dtype=torch.bool, device=root.device)
+        positions = prefix_lens.to(torch.long).view(bs, 1).clone()
+        return VerifyLayout(tokens=root.clone(), ancestor_mask=mask, positions=positions)
+    tokens = torch.cat([root, tree.tokens], dim=1)
     return VerifyLayout(
         tokens=tokens,
         ancestor_mask=ancestor_mask(tree),
