@@ -132,13 +132,14 @@ def assign_req_to_token_on_cpu(
         return original(
             req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size
         )
-    start = start_offset[:batch_size].to(torch.long)
-    lengths = end_offset[:batch_size].to(torch.long) - start  # [bs]
-    rows = req_pool_indices[:batch_size].to(torch.long).repeat_interleave(lengths)
-    segment_start = torch.cumsum(lengths, 0) - lengths  # offset of each segment
-    within = torch.arange(int(lengths.sum())) - segment_start.repeat_interleave(lengths)
-    columns = start.repeat_interleave(lengths) + within
-    req_to_token[rows, columns] = out_cache_loc[: columns.numel()].to(req_to_token.dtype)
+    # One slice copy per request: host tensors, and a decode step's segments are a few slots
+    # (a vectorised scatter cost ~60 us for one slot, 5x this).
+    rows = req_pool_indices[:batch_size].tolist()
+    starts, ends = start_offset[:batch_size].tolist(), end_offset[:batch_size].tolist()
+    segment = 0
+    for row, start, end in zip(rows, starts, ends, strict=True):
+        req_to_token[row, start:end] = out_cache_loc[segment : segment + end - start]
+        segment += end - start
     return None
 
 
