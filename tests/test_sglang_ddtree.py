@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.server_process import (
+    ServerStartError,
     ddtree_metrics,
     free_port,
     http_json,
@@ -488,6 +489,46 @@ def test_grafted_ddtree_greedy_equals_no_speculation(
         for earlier in seeded_outputs.values():  # the ungrafted servers of this module
             assert sampled["output_ids"] == earlier
     assert f"graft {graft}" in log.read_text()
+
+
+def test_a_token_map_drafts_from_its_ids_and_changes_no_token(
+    pair, prompts, baseline, tmp_path_factory
+):
+    """``--speculative-token-map`` (SGLang's draft vocabulary flag): the draft top-K is taken
+    over the map's ids only: with the ids the outputs use the drafter still gets tokens
+    accepted, with none of them no draft token is; greedy output stays the target's. A map with
+    ids outside the vocabulary stops the server at start-up with one ``DDTREE:`` line."""
+    from sglang_tree_spec.models.token_map import frequency_token_map
+
+    root = tmp_path_factory.mktemp("token-map")
+    token_map = root / "map.pt"
+    torch.save(frequency_token_map(prompts + baseline["sequential"], 512, 2048), token_map)
+    command = [*server_command(pair, free_port(), 8), "--speculative-token-map", str(token_map)]
+    for server in running_server(command, root / "server.log"):
+        assert server.greedy(prompts[:8], 8) == baseline["sequential"][:8]
+        meta = server.generate(prompts[0])["meta_info"]
+        assert meta["spec_verify_ct"] < NEW_TOKENS - 1  # (the prefill makes the first token)
+    assert f"drafts from {token_map} (512 ids a shard)" in (root / "server.log").read_text()
+    produced = {token for output in baseline["sequential"] for token in output}
+    torch.save([t for t in range(2048) if t not in produced], root / "never.pt")
+    command = [
+        *server_command(pair, free_port(), 8),
+        "--speculative-token-map",
+        str(root / "never.pt"),
+    ]
+    for server in running_server(command, root / "never.log"):  # no draft can be accepted
+        outputs = [server.generate(prompt) for prompt in prompts[:2]]
+        assert [out["output_ids"] for out in outputs] == baseline["sequential"][:2]
+        assert [out["meta_info"]["spec_verify_ct"] for out in outputs] == [NEW_TOKENS - 1] * 2
+    torch.save([3, 2048], root / "bad.pt")  # 2048 is past the small pair's vocabulary
+    command = [
+        *server_command(pair, free_port(), 8),
+        "--speculative-token-map",
+        str(root / "bad.pt"),
+    ]
+    with pytest.raises(ServerStartError, match=r"DDTREE: --speculative-token-map .* outside"):
+        for _ in running_server(command, root / "bad.log"):
+            pass
 
 
 def test_ddtree_at_tp2_equals_no_speculation_at_tp2(pair, prompts, tmp_path_factory, monkeypatch):

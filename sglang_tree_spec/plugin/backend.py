@@ -118,20 +118,28 @@ class SGLangBackend:
         ``[bs, L]`` all-reduces and one ``[bs, L, K]`` all-gather, never the dense logits.
         """
         vocab_size, group = self.worker.vocab_size, self.worker.tp_group
+        shortlist = self.worker.draft_vocab  # --speculative-token-map (plugin/draft_vocab.py)
         k = min(k, vocab_size)
         if group.world_size == 1:
+            if shortlist is not None:  # [S, H] rows of the map's ids
+                weight, ids = shortlist.weight, shortlist.token_ids
+                return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k, ids)
             weight = lm_head.weight[:vocab_size]  # [V, H] without padding rows
             return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k)
         # Rank r's rows are ids padded_start + j (the same count on every rank); ids at or
         # past the real vocabulary are padding and never drafted.
         shard = lm_head.shard_indices
         weight = lm_head.weight[: shard.num_org_elements_padded]  # [V_shard, H]
+        ids = None
+        if shortlist is not None:  # this rank's ids of the map, padded to the largest count
+            weight, ids = shortlist.weight, shortlist.token_ids
         return vocab_parallel_topk(
             torch.matmul(hidden.to(weight.dtype), weight.T),  # [bs, L, V_shard]
             k,
             vocab_start=int(shard.padded_org_vocab_start_index),
             vocab_size=vocab_size,
             group=group.device_group,
+            token_ids=ids,
         )
 
     # --- verify -------------------------------------------------------------------------

@@ -63,6 +63,7 @@ _COMMON_INTERNALS = (
     "sglang.srt.model_executor.forward_batch_info.ForwardMode",
     "sglang.srt.speculative.dflash_info.DFlashVerifyInput",
     "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments",
+    "sglang.srt.speculative.spec_utils.load_token_map",
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2",
     "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
     "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",

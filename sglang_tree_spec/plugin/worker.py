@@ -36,6 +36,7 @@ from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
 from sglang_tree_spec.plugin.deferred import DeferredContext
+from sglang_tree_spec.plugin.draft_vocab import DraftVocab, check_token_map, draft_vocab
 from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs_requested
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
@@ -129,6 +130,7 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
+            self.draft_vocab = self._draft_vocab(server_args)
             self._samples = SampleNumbers()  # n > 1: the sample index of seeded requests
             self.table_mode = str(getattr(server_args, "speculative_ddtree_table", "shared"))
             self._table_owners = (
@@ -147,7 +149,7 @@ def _define_worker() -> type:
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
                 "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s%s, "
-                "LM head over %d vocabulary shard(s), overlap scheduling %s",
+                "LM head over %d vocabulary shard(s)%s, overlap scheduling %s",
                 self.config.method,
                 f"auto over {self.config.budgets}" if self.config.auto else self.config.budget,
                 self.block_size,
@@ -155,7 +157,32 @@ def _define_worker() -> type:
                 self.config.graft,
                 self._table_line(),
                 self.tp_group.world_size,
+                ""
+                if self.draft_vocab is None
+                else f", drafts from {server_args.speculative_token_map} "
+                f"({self.draft_vocab.token_ids.numel()} ids a shard)",
                 "on" if self.overlap else "off",
+            )
+
+        def _draft_vocab(self, server_args: Any) -> DraftVocab | None:
+            """The draft top-K's shortlist of ``--speculative-token-map`` (None: the whole
+            vocabulary), this rank's rows of the target's LM head (:mod:`.draft_vocab`)."""
+            path = getattr(server_args, "speculative_token_map", None)
+            if path is None:
+                return None
+            from sglang.srt.speculative.spec_utils import load_token_map
+
+            ids = check_token_map(load_token_map(path), self.vocab_size, self.config.k, path)
+            lm_head = self.target_worker.model_runner.model.lm_head
+            if self.tp_group.world_size == 1:
+                return draft_vocab(ids, lm_head.weight[: self.vocab_size], 0, self.vocab_size)
+            shard = lm_head.shard_indices
+            return draft_vocab(
+                ids,
+                lm_head.weight[: shard.num_org_elements_padded],
+                int(shard.padded_org_vocab_start_index),
+                self.vocab_size,
+                self.tp_group.world_size,
             )
 
         @property

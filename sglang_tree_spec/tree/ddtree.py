@@ -152,12 +152,17 @@ def _check_topk_inputs(
             raise ValueError("topk_tokens repeats a token id within one position")
 
 
-def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_from_logits(
+    logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-K log-probabilities of draft logits.
 
     Args:
         logits: ``[bs, L, V]`` draft logits.
         k: tokens kept per position, ``1 <= k <= V``.
+        token_ids: ``[V]`` int64 the token id of each logit column when the drafter scores a
+            vocabulary shortlist (SGLang's ``--speculative-token-map``; log-probs are then
+            normalised over the shortlist); None: column ``j`` is token ``j``.
 
     Returns:
         ``(topk_logprobs, topk_tokens)``, both ``[bs, L, k]``, sorted descending.
@@ -169,6 +174,8 @@ def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         raise ValueError(f"top-K of {k} is out of range for a vocabulary of {vocab_size}")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, tokens = torch.topk(logprobs, k, dim=-1, sorted=True)
+    if token_ids is not None:
+        tokens = token_ids[tokens]
     return values, tokens
 
 

@@ -27,6 +27,7 @@ def vocab_parallel_topk(
     vocab_start: int,
     vocab_size: int,
     group: dist.ProcessGroup | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global top-``k`` log-probs and token ids of vocabulary-sharded logits.
 
@@ -37,6 +38,9 @@ def vocab_parallel_topk(
         vocab_start: the first vocabulary id of this rank's shard.
         vocab_size: the real vocabulary size; ids at or beyond it (padding rows) never count.
         group: the tensor-parallel process group (default: the world).
+        token_ids: ``[V_shard]`` int64 the token id of each of this rank's columns when the
+            drafter scores a vocabulary shortlist (ids at or beyond ``vocab_size`` are
+            padding); None: ``vocab_start + j``.
 
     Returns:
         ``(topk_logprobs, topk_tokens)``: float32 and int64 ``[bs, L, k]``, sorted descending,
@@ -47,7 +51,11 @@ def vocab_parallel_topk(
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top-K of {k} is out of range for a vocabulary of {vocab_size}")
     shard_size = shard_logits.shape[-1]
-    ids = torch.arange(vocab_start, vocab_start + shard_size, device=shard_logits.device)
+    ids = (
+        torch.arange(vocab_start, vocab_start + shard_size, device=shard_logits.device)
+        if token_ids is None
+        else token_ids
+    )
     logits = shard_logits.float().masked_fill(ids >= vocab_size, float("-inf"))
 
     # Global log-normaliser: max, then the sum of exponentials below it.
@@ -65,7 +73,7 @@ def vocab_parallel_topk(
     all_values = values.new_empty((world * bs, *values.shape[1:]))
     all_ids = index.new_empty((world * bs, *index.shape[1:]))
     dist.all_gather_into_tensor(all_values, values.contiguous(), group=group)
-    dist.all_gather_into_tensor(all_ids, (index + vocab_start).contiguous(), group=group)
+    dist.all_gather_into_tensor(all_ids, ids[index].contiguous(), group=group)
     # [world, bs, L, local_k] -> [bs, L, world * local_k]
     candidates = all_values.view(world, *values.shape).permute(1, 2, 0, 3).flatten(2)
     candidate_ids = all_ids.view(world, *index.shape).permute(1, 2, 0, 3).flatten(2)
