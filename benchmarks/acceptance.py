@@ -199,6 +199,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"default: {' '.join(CHAT_DOMAINS)} when the target has a chat "
         f"template, else {STDLIB_DOMAIN}",
     )
+    parser.add_argument(
+        "--token-map",
+        type=Path,
+        default=None,
+        help="draft from these token ids only (a torch.save'd list: --speculative-token-map)",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
@@ -252,8 +258,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "positions (lower --new-tokens)"
             )
     stops = [] if args.ignore_eos else None
+    token_map = None if args.token_map is None else torch.load(args.token_map)
     engines = {
-        label: SpecEngine(target, None if method == "ar" else drafter, method, budget=budget or 1)
+        label: SpecEngine(
+            target,
+            None if method == "ar" else drafter,
+            method,
+            budget=budget or 1,
+            token_map=None if method == "ar" else token_map,
+        )
         for label, method, budget in configs(args.budgets)
     }
     for engine in engines.values():  # warm-up: first-call costs stay out of the timings

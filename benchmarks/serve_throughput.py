@@ -106,6 +106,8 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
         "--sleep-on-idle",  # every configuration's server is up at once; idle ones sleep
     ]  # fmt: skip
     drafter = ["--speculative-draft-model-path", str(args.drafter)]
+    if args.token_map is not None and config != "dflash":  # (DFLASH ignores the flag)
+        drafter += ["--speculative-token-map", str(args.token_map)]
     if config == "dflash":
         return [*command, "--speculative-algorithm", "DFLASH", *drafter]
     if config == "chain":
@@ -392,6 +394,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--auto-candidates",
         default=None,
         help="ddtree:auto's candidate budgets, e.g. 0,1,2,4,8 (default: the server's)",
+    )
+    parser.add_argument(
+        "--token-map",
+        type=Path,
+        default=None,
+        help="the DDTREE servers' --speculative-token-map (the draft vocabulary)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY)
     parser.add_argument("--prompts", type=int, default=16)

@@ -577,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--auto-max-budget", type=int, default=32)
     parser.add_argument("--auto-candidates", default=None, help="e.g. 0,4,8 (serve_throughput's)")
+    parser.add_argument("--token-map", type=Path, default=None, help="serve_throughput's")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--abort-fraction", type=float, default=0.1)

@@ -18,7 +18,8 @@
 #     --speculative-num-draft-tokens 33 --attention-backend triton
 #   python -m sglang.launch_server --model-path <smollm2-135m-instruct checkpoint> \
 #     --speculative-algorithm DDTREE --speculative-draft-model-path <its DFlash drafter> \
-#     --speculative-num-draft-tokens 17 --attention-backend triton
+#     --speculative-num-draft-tokens 17 --attention-backend triton \
+#     --speculative-token-map <its drafter>/token_map_8192.pt   # draft from 8,192 of 49,152 ids
 #   (`sglang-tree-spec models fetch smollm2-135m-instruct` makes the target checkpoint offline)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

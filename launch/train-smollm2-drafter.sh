@@ -115,5 +115,11 @@ from sglang_tree_spec.drafters.dflash import DFlashDrafter
 DFlashDrafter.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])
 EOF
 cp "$train/train_log.jsonl" "$work/data.jsonl.meta.json" "$out/"
+# The draft vocabulary (serve with --speculative-token-map $out/token_map_8192.pt): the data's
+# ids by frequency, then the lowest unseen ids.
+vocab=$("$python" -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
+  "$target/config.json")
+"$python" -m sglang_tree_spec.models.token_map --data "$work/data.jsonl" --vocab-size "$vocab" \
+  --size 8192 --out "$out/token_map_8192.pt"
 echo "drafter: $out"
 sha256sum "$out/model.safetensors"

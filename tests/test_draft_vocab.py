@@ -1,4 +1,4 @@
-"""The drafter's vocabulary shortlist (``--speculative-token-map``, ``plugin/draft_vocab.py``):
+"""The drafter's vocabulary shortlist (``--speculative-token-map``, ``tree/draft_vocab.py``):
 the draft top-K over the map's ids, on one rank and merged across real gloo ranks, equals the
 top-K of the dense head restricted to those ids; bad maps are refused in one line; the
 frequency-ranked builder (``models/token_map.py``)."""
@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang_tree_spec.models.token_map import frequency_token_map
-from sglang_tree_spec.plugin.draft_vocab import TokenMapError, check_token_map, draft_vocab
 from sglang_tree_spec.tree import topk_from_logits, vocab_parallel_topk
+from sglang_tree_spec.tree.draft_vocab import TokenMapError, check_token_map, draft_vocab
 
 BS, DEPTH, HIDDEN = 2, 3, 8
 
@@ -34,7 +34,7 @@ def shortlist_topk(weight, hidden, ids, k):
 
 def test_one_rank_drafts_the_top_k_of_the_maps_ids_only():
     weight, hidden = head_and_states(50)
-    ids = check_token_map(torch.tensor([7, 3, 41, 12, 0, 29, 33]), 50, 4, "map.pt")
+    ids = check_token_map(torch.tensor([7, 3, 41, 12, 0, 29, 33]), 50, 4, "map")
     vocab = draft_vocab(ids, weight, 0, 50)
     assert vocab.token_ids.tolist() == ids.tolist() and vocab.weight.is_contiguous()
     got = topk_from_logits(hidden @ vocab.weight.T, 4, vocab.token_ids)
@@ -110,7 +110,7 @@ def test_ranks_merge_to_the_top_k_of_the_maps_ids(world, ids, k):
 )
 def test_a_bad_token_map_is_refused_in_one_line(ids, message):
     with pytest.raises(TokenMapError, match=rf"^DDTREE: --speculative-token-map m\.pt .*{message}"):
-        check_token_map(torch.tensor(ids, dtype=torch.int64), 50, 4, "m.pt")
+        check_token_map(torch.tensor(ids, dtype=torch.int64), 50, 4, "--speculative-token-map m.pt")
 
 
 def test_the_frequency_map_ranks_seen_ids_then_fills_in_id_order():

@@ -109,3 +109,25 @@ def test_demo_runs_and_all_methods_agree():
     ]
     assert len(rows) == 3
     assert all(row[-1] == "yes" for row in rows)
+
+
+def test_a_token_map_limits_the_drafts_to_its_ids(pair, plain):
+    """The engine's ``token_map`` (the server's ``--speculative-token-map``): with the ids the
+    outputs use, trees still get tokens accepted; with none of them nothing is accepted; the
+    tokens are plain decoding's either way."""
+    from sglang_tree_spec.models.token_map import frequency_token_map
+
+    target, drafter, prompts = pair
+    outputs = [r.tokens for r in plain]
+    used = frequency_token_map(prompts + outputs, 512, 2048)
+    produced = {t for tokens in outputs for t in tokens}
+    unused = [t for t in range(2048) if t not in produced]
+    accepted = {}
+    for name, token_map in (("used", used), ("unused", unused)):
+        engine = SpecEngine(target, drafter, method="ddtree", budget=16, token_map=token_map)
+        results = engine.generate(prompts, 48, stop_token_ids=[])
+        assert [r.tokens for r in results] == outputs
+        accepted[name] = sum(sum(r.stats.commit_lengths[1:]) - r.stats.steps for r in results)
+    assert accepted["used"] > 0 and accepted["unused"] == 0
+    with pytest.raises(ValueError, match="DDTREE: token_map has ids outside"):
+        SpecEngine(target, drafter, method="ddtree", token_map=[1, 4096])

@@ -59,3 +59,18 @@ def test_packaged_drafter_matches_its_build_record():
     assert config["num_hidden_layers"] == build["drafter"]["num_layers"]
     assert config["dflash_config"]["target_layer_ids"] == build["drafter"]["target_layer_ids"]
     assert config["hidden_size"] == 576 and config["vocab_size"] == 49152  # SmolLM2-135M
+
+
+@pytest.mark.skipif(not (PACKAGED / "config.json").is_file(), reason="no packaged drafter")
+def test_packaged_token_map_matches_its_build_record():
+    """The shipped draft vocabulary (``--speculative-token-map``): what BUILD.json records, a
+    valid map of 8,192 distinct SmolLM2 ids, loadable the way SGLang loads it."""
+    import torch
+
+    from sglang_tree_spec.tree.draft_vocab import check_token_map
+
+    record = json.loads((PACKAGED / "BUILD.json").read_text())["token_map"]
+    path = PACKAGED / record["file"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == record["sha256"]
+    ids = check_token_map(torch.tensor(torch.load(path, weights_only=True)), 49152, 8, "map")
+    assert ids.numel() == record["ids"] == 8192

@@ -14,6 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 from sglang_tree_spec.drafters.dflash import DFlashContextCache, DFlashDrafter
 from sglang_tree_spec.engine.kv import keep_window_slots, select_requests, verify_attention_mask
 from sglang_tree_spec.tree import VerifyLayout, topk_from_logits
+from sglang_tree_spec.tree.draft_vocab import DraftVocab
 
 
 class TransformersBackend:
@@ -25,6 +26,7 @@ class TransformersBackend:
         cache: the target's KV cache after the prefill.
         draft_cache: the drafter's context (None without a drafter).
         prefix_lens: ``[bs]`` cached tokens per request; updated by :meth:`keep`.
+        draft_vocab: the draft top-K's vocabulary shortlist (None: the whole vocabulary).
     """
 
     def __init__(
@@ -34,8 +36,10 @@ class TransformersBackend:
         cache: DynamicCache,
         draft_cache: DFlashContextCache | None,
         prefix_lens: torch.Tensor,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         self.target, self.drafter = target, drafter
+        self.draft_vocab = draft_vocab
         self.cache, self.draft_cache = cache, draft_cache
         self.prefix_lens = prefix_lens
         self._past_len = 0  # cache columns before the last verify window
@@ -47,8 +51,12 @@ class TransformersBackend:
         blocks = self.drafter.block_token_ids(bonus)  # [bs, L + 1]
         embed = self.target.get_input_embeddings()
         head = self.target.get_output_embeddings()
-        logits = self.draft_cache.draft_logits(blocks, embed, head, depths)  # [bs, D, V]
-        return topk_from_logits(logits, k)
+        if self.draft_vocab is None:
+            logits = self.draft_cache.draft_logits(blocks, embed, head, depths)  # [bs, D, V]
+            return topk_from_logits(logits, k)
+        weight, ids = self.draft_vocab.weight, self.draft_vocab.token_ids  # [S, H], [S]
+        hidden = self.draft_cache.draft_hidden(blocks, embed)[:, 1 : depths + 1]  # [bs, D, H]
+        return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k, ids)
 
     def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
         self._past_len = self.cache.layers[0].keys.shape[2]

@@ -29,6 +29,7 @@ from sglang_tree_spec.graft import StageConfig, stage_confidences
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
 from sglang_tree_spec.tree import counter_uniforms, sample_tokens
+from sglang_tree_spec.tree.draft_vocab import check_token_map, draft_vocab
 
 PHASES = ("draft", "tree", "verify", "accept", "commit")
 MAX_REQUESTS = 4096  # prompts per generate call (slots of the budget controller's history)
@@ -133,6 +134,7 @@ class SpecEngine:
         stage: StageConfig | None = None,
         config: TreeConfig | None = None,
         auto: bool = False,
+        token_map: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         if config is None:
             if method not in METHODS:
@@ -169,6 +171,13 @@ class SpecEngine:
         self.edge_acceptance = self.grafter.edge_acceptance if self.grafter else None
         self.confidence_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.timer = PhaseTimer(True, self.device, report=None)
+        self.draft_vocab = None  # the draft top-K's shortlist (SGLang's --speculative-token-map)
+        if token_map is not None and self.drafter is not None:
+            ids = check_token_map(
+                torch.as_tensor(token_map), self.vocab_size, self.topk, "token_map"
+            )
+            head = target.get_output_embeddings().weight.detach()
+            self.draft_vocab = draft_vocab(ids, head, 0, self.vocab_size)
 
     def _latency_model(self, config: TreeConfig) -> LatencyModel | None:
         """The roofline prior of this target and drafter on this device (auto budget only)."""
@@ -309,7 +318,9 @@ class SpecEngine:
         self.timer.mark("verify")
         for i in range(bs):
             stats[i].seconds["verify"] += self.timer.last_step["verify"]
-        backend = TransformersBackend(self.target, self.drafter, cache, draft_cache, lengths)
+        backend = TransformersBackend(
+            self.target, self.drafter, cache, draft_cache, lengths, self.draft_vocab
+        )
         return _Batch(list(range(bs)), bonus, seeds, backend)
 
     def _step(self, batch: _Batch, sampling, stats) -> list[list[int]]:

@@ -118,7 +118,7 @@ class SGLangBackend:
         ``[bs, L]`` all-reduces and one ``[bs, L, K]`` all-gather, never the dense logits.
         """
         vocab_size, group = self.worker.vocab_size, self.worker.tp_group
-        shortlist = self.worker.draft_vocab  # --speculative-token-map (plugin/draft_vocab.py)
+        shortlist = self.worker.draft_vocab  # --speculative-token-map (tree/draft_vocab.py)
         k = min(k, vocab_size)
         if group.world_size == 1:
             if shortlist is not None:  # [S, H] rows of the map's ids

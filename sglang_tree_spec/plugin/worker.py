@@ -36,7 +36,6 @@ from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
 from sglang_tree_spec.plugin.deferred import DeferredContext
-from sglang_tree_spec.plugin.draft_vocab import DraftVocab, check_token_map, draft_vocab
 from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs_requested
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
@@ -46,6 +45,7 @@ from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
 from sglang_tree_spec.step_times import PhaseTimer
+from sglang_tree_spec.tree.draft_vocab import DraftVocab, check_token_map, draft_vocab
 
 logger = logging.getLogger(__name__)
 BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto only)
@@ -166,13 +166,15 @@ def _define_worker() -> type:
 
         def _draft_vocab(self, server_args: Any) -> DraftVocab | None:
             """The draft top-K's shortlist of ``--speculative-token-map`` (None: the whole
-            vocabulary), this rank's rows of the target's LM head (:mod:`.draft_vocab`)."""
+            vocabulary), this rank's rows of the target's LM head
+            (:mod:`sglang_tree_spec.tree.draft_vocab`)."""
             path = getattr(server_args, "speculative_token_map", None)
             if path is None:
                 return None
             from sglang.srt.speculative.spec_utils import load_token_map
 
-            ids = check_token_map(load_token_map(path), self.vocab_size, self.config.k, path)
+            source = f"--speculative-token-map {path}"
+            ids = check_token_map(load_token_map(path), self.vocab_size, self.config.k, source)
             lm_head = self.target_worker.model_runner.model.lm_head
             if self.tp_group.world_size == 1:
                 return draft_vocab(ids, lm_head.weight[: self.vocab_size], 0, self.vocab_size)

@@ -1,4 +1,5 @@
-"""The drafter's vocabulary shortlist: SGLang's ``--speculative-token-map`` for DDTREE.
+"""The drafter's vocabulary shortlist (SGLang's ``--speculative-token-map``, the engine's
+``token_map``).
 
 A token map (a ``torch.save``'d list of token ids, as SGLang's EAGLE reads it; FR-Spec's
 frequency-ranked draft vocabulary) restricts the draft top-K to those ids: the LM head that
@@ -36,21 +37,22 @@ class DraftVocab:
     weight: torch.Tensor
 
 
-def check_token_map(ids: torch.Tensor, vocab_size: int, topk: int, path: str) -> torch.Tensor:
-    """The map's ids as ``[S]`` int64, or a :class:`TokenMapError` naming what is wrong."""
+def check_token_map(ids: torch.Tensor, vocab_size: int, topk: int, source: str) -> torch.Tensor:
+    """The map's ids as ``[S]`` int64, or a :class:`TokenMapError` naming what is wrong;
+    ``source`` names the map in it (e.g. ``"--speculative-token-map map.pt"``)."""
     ids = torch.as_tensor(ids).to(torch.int64).flatten()
     if ids.numel() == 0:
-        raise TokenMapError(f"DDTREE: --speculative-token-map {path} holds no token ids")
+        raise TokenMapError(f"DDTREE: {source} holds no token ids")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise TokenMapError(
-            f"DDTREE: --speculative-token-map {path} has ids outside the target's vocabulary "
+            f"DDTREE: {source} has ids outside the target's vocabulary "
             f"[0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}"
         )
     if ids.unique().numel() != ids.numel():
-        raise TokenMapError(f"DDTREE: --speculative-token-map {path} repeats token ids")
+        raise TokenMapError(f"DDTREE: {source} repeats token ids")
     if ids.numel() < topk:
         raise TokenMapError(
-            f"DDTREE: --speculative-token-map {path} has {ids.numel()} ids, fewer than the "
+            f"DDTREE: {source} has {ids.numel()} ids, fewer than the "
             f"draft top-K ({topk}, --speculative-ddtree-topk)"
         )
     return ids
