@@ -207,7 +207,7 @@ def decode_step(
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
     accept = sampling.accept(tree, logits, prefix_lens, generator)
-    if tree.budget > 0:
+    if selector is not None:  # a plain step too: Graft's table learns the root's successors
         selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
     if forecast is not None:
         controller.observe(forecast, budget, accept.accept_len)

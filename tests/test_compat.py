@@ -182,6 +182,7 @@ def test_a_real_req_has_the_attributes_the_worker_reads():
     for name in GRAMMAR_FIELDS:  # what the refusal of constrained requests reads
         assert hasattr(req.sampling_params, name), name
     assert compat.isolation_key(req) == ("tenant-a", *salted.values())
+    assert compat.req_rows([req]) == [None]  # the release's row attribute, not yet assigned
     plain = Req("rid-2", "", [1, 2, 3], SamplingParams(), extra_key="")
     assert compat.isolation_key(plain) == (None,) * len(compat.ISOLATION_KEY[INSTALLED])
     assert compat.isolation_key(plain) != compat.isolation_key(req)

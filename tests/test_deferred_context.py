@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.deferred import MAX_PENDING, DeferredContext
 
@@ -41,6 +42,15 @@ class DraftKV:
             self.slots[int(cache_loc[i])] = (int(positions[i]), hidden)
 
 
+def fake_req(row: int) -> SimpleNamespace:
+    """A request on ``req_to_token`` row ``row``, where the installed release keeps it."""
+    *outer, name = compat.REQ_ROW[compat.check_release()].split(".")
+    req = SimpleNamespace(**{name: row})
+    for attribute in reversed(outer):
+        req = SimpleNamespace(**{attribute: req})
+    return req
+
+
 def make_worker(deferred: DeferredContext | None, kv: DraftKV) -> SimpleNamespace:
     req_to_token = (1000 * torch.arange(ROWS)[:, None] + torch.arange(CONTEXT)).to(torch.int32)
     runner = SimpleNamespace(
@@ -59,7 +69,7 @@ def step(worker, rows: list[int], prefix: torch.Tensor, path: torch.Tensor, draf
     at ``prefix + j``, verify hidden states drawn from ``seed``, accepted ``path [bs, P]``."""
     batch = SimpleNamespace(
         req_pool_indices=torch.tensor(rows),
-        reqs=[SimpleNamespace(req_pool_idx=row) for row in rows],
+        reqs=[fake_req(row) for row in rows],
         seq_lens_cpu=prefix.clone(),
     )
     backend = SGLangBackend(worker, batch)
@@ -91,7 +101,7 @@ def run(deferred: DeferredContext | None, schedule: str) -> DraftKV:
         prefix = step(worker, rows, prefix, path, kind == "d", seed)
     batch = SimpleNamespace(
         req_pool_indices=torch.tensor(rows),
-        reqs=[SimpleNamespace(req_pool_idx=row) for row in rows],
+        reqs=[fake_req(row) for row in rows],
         seq_lens_cpu=prefix.clone(),
     )
     SGLangBackend(worker, batch).write_deferred_context(prefix)

@@ -510,6 +510,24 @@ def test_grafter_learns_from_verify_logits_and_grafts_what_it_learnt():
         Grafter("retrieval", vocab_size=10)
 
 
+def test_a_plain_step_teaches_the_table_its_roots_successors():
+    """A plain step (budget 0: no draft, no select) still verifies the root: its logits
+    refresh the root token's row (so auto's probes graft from a warm table); the edge
+    acceptance, which counts grafted edges, is left alone."""
+    from sglang_tree_spec.tree.select import empty_tree
+
+    grafter = Grafter("unified", vocab_size=10, k=2, topk=2)
+    trials = grafter.edge_acceptance.trials.clone()
+    logits = torch.zeros(2, 1, 10)
+    logits[0, 0, 6], logits[0, 0, 8] = 5.0, 4.0
+    logits[1, 0, 2], logits[1, 0, 3] = 5.0, 4.0
+    roots = torch.tensor([[1], [4]])  # [bs, W = 1]
+    grafter.learn(empty_tree(2, "cpu"), roots, logits, torch.tensor([[6], [2]]))
+    assert grafter.successors.table[1].tolist() == [6, 8]
+    assert grafter.successors.table[4].tolist() == [2, 3]
+    assert torch.equal(grafter.edge_acceptance.trials, trials)
+
+
 def test_unified_retrieves_below_draft_nodes_by_depth():
     a, x, y, z, root = 2, 3, 4, 5, 1
     lp = torch.tensor([[[math.log(0.9), math.log(0.05)], [math.log(0.3), math.log(0.2)]]])

@@ -151,7 +151,8 @@ class Grafter:
         logits: torch.Tensor,
         committed: torch.Tensor,
     ) -> None:
-        """Refresh the state from one verify step of ``tree`` (the last one selected).
+        """Refresh the state from one verify step of ``tree`` (the last one selected, or an
+        empty tree: a plain step, whose root's logits still refresh the successor table).
 
         Args:
             tree: the verified ``[bs, B]`` trees.
@@ -160,7 +161,7 @@ class Grafter:
             committed: ``[bs, L + 1]`` committed tokens (accepted drafts, the bonus, -1 after).
         """
         partitions = self._partitions(window_tokens.shape[0])
-        if self.edge_acceptance is not None:
+        if self.edge_acceptance is not None and tree.budget > 0:  # (a plain step grafted nothing)
             if self._evidence is None:
                 raise RuntimeError("Grafter.learn needs the tree of the last Grafter.select")
             self.edge_acceptance.observe(tree, *self._evidence, committed, partitions)

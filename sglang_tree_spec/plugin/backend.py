@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.tree import (
     VerifyLayout,
     topk_from_logits,
@@ -263,7 +264,7 @@ class SGLangBackend:
     @property
     def host_rows(self) -> list[int]:
         """The batch's request rows, from the host requests (no device read)."""
-        return [req.req_pool_idx for req in self.batch.reqs]
+        return compat.req_rows(self.batch.reqs)
 
     def write_deferred_context(self, prefix_lens: torch.Tensor) -> None:
         """Write the batch's pending plain-step drafter context (:mod:`.deferred`), its

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import operator
 import pkgutil
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -117,8 +119,11 @@ REQ_ATTRIBUTES = (
     "finished",
     "output_ids",
     "grammar",
-    "req_pool_idx",
 )
+
+# Where a Req keeps its ``req_to_token`` row, per release (0.5.23 moved it into the request's KV
+# state, ``req.kv``): read by :func:`req_rows` (the deferred drafter context's host rows).
+REQ_ROW: dict[str, str] = {"0.5.17": "req_pool_idx", "0.5.23": "kv.req_pool_idx"}
 
 # The Req attributes SGLang separates prefix caches by, per release: the isolation key of
 # ``--speculative-ddtree-table per-key``. 0.5.17 folds the OpenAI ``cache_salt`` (and a LoRA
@@ -248,6 +253,17 @@ def check_worker_attributes(worker: Any) -> None:
             f"SGLang {installed_version()}'s DFlashWorkerV2 has no {', '.join(missing)}, which "
             "the DDTREE worker needs"
         )
+
+
+@cache
+def _req_row() -> Callable[[Any], int | None]:
+    return operator.attrgetter(REQ_ROW[check_release()])
+
+
+def req_rows(reqs: list[Any]) -> list[int | None]:
+    """Each request's ``req_to_token`` row (:data:`REQ_ROW`), from the host requests."""
+    row = _req_row()
+    return [row(req) for req in reqs]
 
 
 def isolation_key(req: Any) -> tuple[str | None, ...]:

@@ -261,7 +261,7 @@ def _define_worker() -> type:
                 rows = batch.req_pool_indices.to(torch.int64)
                 self.controller.reset(rows)
                 if self._deferred is not None:
-                    self._deferred.reset([req.req_pool_idx for req in batch.reqs])
+                    self._deferred.reset(compat.req_rows(batch.reqs))
                 outputs_before = [len(req.output_ids) for req in batch.reqs]
                 if batch.return_logprob and compat.is_release("0.5.17"):
                     out = self._prefill(batch, on_publish)  # 0.5.17's refuses log-probs
