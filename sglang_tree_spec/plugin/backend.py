@@ -18,6 +18,7 @@ back here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -261,7 +262,7 @@ class SGLangBackend:
         )
         self.logits_output.hidden_states = None
 
-    @property
+    @functools.cached_property
     def host_rows(self) -> list[int]:
         """The batch's request rows, from the host requests (no device read)."""
         return compat.req_rows(self.batch.reqs)
