@@ -302,8 +302,36 @@ def test_a_probe_that_prefers_drafting_ends_the_plain_run():
     # (no plain step before the next forecast); a new plain run probes after 2 steps again.
     assert trace[:7] == [4, 0, 4, 0, 0, 0, 4] and trace[7:14] == [0] * 7
     assert trace[14] >= 32 and trace[15] == 4 and len(trace) == 16
-    assert ctl.should_draft(1) is False
+    # the strong step still weighs in the drafted steps' average: drafting goes on a while
+    weak_drafted = 1
+    while ctl.should_draft(1):
+        assert ctl.choose(plain_fc, 1) == 4
+        weak_drafted += 1
+    assert 3 <= weak_drafted <= 40
     assert [ctl.choose(None, 1), ctl.should_draft(1)] == [0, True]
+
+
+def test_an_uncertain_step_amid_paying_drafts_does_not_start_a_plain_run():
+    """A forecast preferring plain steps starts a plain run only when the drafted steps'
+    decayed average does not pay either: one uncertain step in three keeps the drafter on; a
+    drafter that stays useless after a strong step stops within a few steps, once the average
+    falls below a plain step's rate."""
+    ctl = roofline_controller(probe_every=4, probe_max_every=64)
+    useless, strong = (strong_or_useless_tree(1, strong=s) for s in (False, True))
+    plain_fc, strong_fc = (
+        ctl.forecast(torch.arange(1), t.logprobs, t.depths, t.valid) for t in (useless, strong)
+    )
+    chosen = []
+    for forecast in [strong_fc, strong_fc, plain_fc] * 10:
+        assert ctl.should_draft(1)
+        chosen.append(ctl.choose(forecast, 1))
+    assert chosen[2::3] == [4] * 10 and min(chosen[0::3]) >= 32  # drafted every step
+    rare = [strong_fc] + [plain_fc] * 30
+    steps = 0
+    while ctl.should_draft(1):
+        ctl.choose(rare[steps], 1)
+        steps += 1
+    assert 2 <= steps <= 30  # the average fell below a plain step's rate: a plain run
 
 
 def test_a_plain_run_probes_once_the_batch_is_renewed():
@@ -335,7 +363,7 @@ def test_choice_free_verification_and_strong_drafter_picks_max_budget():
     useless = strong_or_useless_tree(8, strong=False)
     flat_fc = ctl.forecast(torch.arange(8), useless.logprobs, useless.depths, useless.valid)
     assert ctl.choose(flat_fc, 8) == 4  # the model prefers 0; a drafted step verifies anyway
-    assert not ctl.should_draft(8)  # and the next steps are plain
+    assert ctl.should_draft(8)  # drafting pays on average (the strong step): no plain run
     # A tree smaller than a candidate never gets that candidate.
     small = top_nodes(tree, 16)
     fc16 = ctl.forecast(torch.arange(8), small.logprobs, small.depths, small.valid)

@@ -11,9 +11,10 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   estimators rescale the surrogate toward the observed accepted lengths.
 * Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, else a
   roofline prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
-* Budget 0 is a plain decode step (no drafter); the step skips drafting while auto keeps
-  choosing 0 and re-drafts to re-forecast after ``probe_every`` steps, the interval doubling
-  (up to ``probe_max_every``) while the probes keep choosing 0.
+* Budget 0 is a plain decode step (no drafter); once a step's forecast chooses 0 and the
+  drafted steps' decayed average says drafting does not pay either, the steps skip drafting and
+  re-draft to re-forecast after ``probe_every`` steps, the interval doubling (up to
+  ``probe_max_every``) while the probes keep choosing 0.
 
 Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``)::
 

@@ -66,6 +66,12 @@ class ControlConfig:
         holds: the forecast was made for text the batch no longer decodes (at batch size 1,
         every new request is forecast on its first decode step).
     probe_max_every: the longest interval between probes.
+    plain_decay: a plain run starts only when drafting does not pay ON AVERAGE: the drafted
+        steps' decayed sums (this factor per drafted step) of predicted committed tokens per
+        request and of step time in plain-step units (C(bs, N) / C(bs, 0)) must say that a
+        drafted step commits fewer tokens per second than a plain one. One step whose forecast
+        prefers plain steps (an uncertain token amid predictable text) does not stop a drafter
+        that pays on the whole.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
@@ -83,6 +89,7 @@ class ControlConfig:
     max_depth: int = 15
     probe_every: int = 4
     probe_max_every: int = 64
+    plain_decay: float = 0.8
     profile_steps: int = 0
     explore_every: int = 0
     tie_rtol: float = 1e-6
@@ -97,6 +104,8 @@ class ControlConfig:
                 f"need 1 <= probe_every <= probe_max_every: {self.probe_every}, "
                 f"{self.probe_max_every}"
             )
+        if not 0.0 <= self.plain_decay < 1.0:
+            raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
         if self.fixed_budget is not None and self.fixed_budget < 0:
             raise ValueError(f"fixed_budget must be >= 0, got {self.fixed_budget}")
 
@@ -183,6 +192,8 @@ class BudgetController:
         self._steps_since_draft = 0
         self._arrivals = 0  # requests arrived since the last forecast
         self._drafted_steps = 0  # drafted auto steps after the profile
+        # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
+        self._drafted_gain = [0.0, 0.0]
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
 
     @property
@@ -255,10 +266,11 @@ class BudgetController:
 
         Auto with a forecast: ONE host read of the ``[C]`` batch totals sum_i (1 + A_i(N)),
         then the argmax of totals / C(bs, N) on the host. Candidates above the tree's size are
-        skipped. When that argmax is 0 (plain steps pay more than drafting returns), the
-        following steps skip the drafter until the next probe (at growing intervals while the
-        probes keep preferring 0), and this step, whose draft is paid for, verifies at the
-        best budget > 0. ``forecast=None`` (a step that did not
+        skipped. When that argmax is 0 (plain steps pay more than drafting returns), this
+        step, whose draft is paid for, verifies at the best budget > 0, and, if drafting does
+        not pay on average either (``ControlConfig.plain_decay``), the following steps skip the
+        drafter until the next probe (at growing intervals while the probes keep preferring
+        0). ``forecast=None`` (a step that did not
         draft): 0. Fixed mode: the fixed budget, no read.
         """
         if not self.auto:
@@ -276,22 +288,40 @@ class BudgetController:
             budgets = [b for b in self.config.budgets if 0 < b <= forecast.tree_budget]
             return self._count(self._stalest(bs, budgets))
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
+        seconds = self.latency.row(bs)
         choice = partial(
             best_budget,
             totals,
-            self.latency.row(bs),
+            seconds,
             self.config.budgets,
             max_budget=forecast.tree_budget,
             tie_rtol=self.config.tie_rtol,
         )
         best = choice()
+        verified = best if best != 0 else choice(min_budget=1)  # the draft is paid for
+        if self.config.budgets[0] == 0:
+            column = self.config.budgets.index(verified)
+            self._add_drafted_gain(totals[column] / bs, seconds[column] / seconds[0])
         if best != 0:
             self._plain, self._probe_interval = False, self.config.probe_every
             return self._count(best)
+        if not self._plain and self._drafting_pays():
+            return self._count(verified)  # one uncertain step amid text that pays
         if self._plain:  # a probe that still prefers plain steps: probe less often
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
         self._plain = True
-        return self._count(choice(min_budget=1))
+        return self._count(verified)
+
+    def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
+        decay, gain = self.config.plain_decay, self._drafted_gain
+        gain[0] = decay * gain[0] + tokens_per_request
+        gain[1] = decay * gain[1] + plain_steps
+
+    def _drafting_pays(self) -> bool:
+        """Host: the drafted steps' decayed committed tokens per request exceed their decayed
+        step time in plain steps (a plain step commits one token per request)."""
+        tokens, plain_steps = self._drafted_gain
+        return tokens > plain_steps
 
     def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
         """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
