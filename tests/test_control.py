@@ -334,6 +334,33 @@ def test_an_uncertain_step_amid_paying_drafts_does_not_start_a_plain_run():
     assert 2 <= steps <= 30  # the average fell below a plain step's rate: a plain run
 
 
+def test_one_lucky_probe_does_not_restart_a_useless_drafter():
+    """A probe whose own forecast pays (one likely token) but leaves the drafted steps'
+    average below a plain step's rate verifies its tree and keeps the plain run; a strong
+    probe ends it."""
+    ctl = roofline_controller(probe_every=2, probe_max_every=8)
+    lp = torch.full((1, 15, 8), -30.0) - torch.arange(8).float()
+    lp[:, 0, 0] = math.log(0.5)  # depth 1: one token at 0.5, nothing deeper
+    lucky = build_ddtree(lp, torch.arange(8).expand(1, 15, 8), 64)
+    useless, strong = (strong_or_useless_tree(1, strong=s) for s in (False, True))
+    plain_fc, lucky_fc, strong_fc = (
+        ctl.forecast(torch.arange(1), t.logprobs, t.depths, t.valid)
+        for t in (useless, lucky, strong)
+    )
+
+    def probe(forecast):
+        while not ctl.should_draft(1):
+            assert ctl.choose(None, 1) == 0
+        return ctl.choose(forecast, 1)
+
+    for _ in range(8):  # a useless drafter: a plain run, probed every 8 steps
+        assert probe(plain_fc) == 4
+    assert probe(lucky_fc) == 4  # this forecast alone pays (1.5 tokens for 1.2 plain steps)
+    assert not ctl.should_draft(1)  # the average does not: still plain
+    assert probe(strong_fc) >= 32
+    assert ctl.should_draft(1)  # the average pays again: the run is over
+
+
 def test_a_plain_run_probes_once_the_batch_is_renewed():
     """A plain run decided on one request's text does not outlive it: once as many requests
     have arrived as the batch holds, the next step drafts (a probe, the interval unchanged)."""

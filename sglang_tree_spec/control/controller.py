@@ -59,19 +59,21 @@ class ControlConfig:
     max_depth: L, drafted positions per step (the drafter's block - 1).
     probe_every: while auto prefers plain steps (budget 0), draft (and re-forecast) after this
         many steps; that probe verifies at the best budget > 0 (its draft is paid for), which
-        also keeps the drafted cells' step times fresh. Each probe that still prefers plain
-        steps doubles the interval, up to ``probe_max_every`` (a useless drafter then costs one
-        probe in ``probe_max_every`` steps); a probe that prefers drafting ends the plain run.
+        also keeps the drafted cells' step times fresh. Each probe after which drafting still
+        does not pay on average (``plain_decay``) doubles the interval, up to
+        ``probe_max_every`` (a useless drafter then costs one probe in ``probe_max_every``
+        steps); a probe after which it pays ends the plain run.
         A plain run also probes once as many requests have arrived (``reset``) as the batch
         holds: the forecast was made for text the batch no longer decodes (at batch size 1,
         every new request is forecast on its first decode step).
     probe_max_every: the longest interval between probes.
-    plain_decay: a plain run starts only when drafting does not pay ON AVERAGE: the drafted
+    plain_decay: plain runs start and end on what drafting pays ON AVERAGE: the drafted
         steps' decayed sums (this factor per drafted step) of predicted committed tokens per
-        request and of step time in plain-step units (C(bs, N) / C(bs, 0)) must say that a
-        drafted step commits fewer tokens per second than a plain one. One step whose forecast
-        prefers plain steps (an uncertain token amid predictable text) does not stop a drafter
-        that pays on the whole.
+        request and of step time in plain-step units (C(bs, N) / C(bs, 0)). A run starts when
+        a step's forecast prefers plain steps and those sums say a drafted step commits fewer
+        tokens per second than a plain one; it ends at the probe after which they say it
+        commits more. One uncertain step amid predictable text does not stop a drafter that
+        pays on the whole, nor does one lucky probe restart a drafter that does not.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
@@ -269,8 +271,8 @@ class BudgetController:
         skipped. When that argmax is 0 (plain steps pay more than drafting returns), this
         step, whose draft is paid for, verifies at the best budget > 0, and, if drafting does
         not pay on average either (``ControlConfig.plain_decay``), the following steps skip the
-        drafter until the next probe (at growing intervals while the probes keep preferring
-        0). ``forecast=None`` (a step that did not
+        drafter until the next probe (at growing intervals while drafting still does not pay
+        on average). ``forecast=None`` (a step that did not
         draft): 0. Fixed mode: the fixed budget, no read.
         """
         if not self.auto:
@@ -302,14 +304,13 @@ class BudgetController:
         if self.config.budgets[0] == 0:
             column = self.config.budgets.index(verified)
             self._add_drafted_gain(totals[column] / bs, seconds[column] / seconds[0])
-        if best != 0:
+        pays = self._drafting_pays()
+        if self._plain and pays:  # a probe: drafting pays again on average, the run ends
             self._plain, self._probe_interval = False, self.config.probe_every
-            return self._count(best)
-        if not self._plain and self._drafting_pays():
-            return self._count(verified)  # one uncertain step amid text that pays
-        if self._plain:  # a probe that still prefers plain steps: probe less often
+        elif self._plain:  # a probe after which drafting still does not pay: probe less often
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
-        self._plain = True
+        elif best == 0 and not pays:  # plain steps pay more, now and on average: a plain run
+            self._plain = True
         return self._count(verified)
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
