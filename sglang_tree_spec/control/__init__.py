@@ -14,7 +14,7 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
 * Budget 0 is a plain decode step (no drafter); once a step's forecast chooses 0 and the
   drafted steps' decayed average says drafting does not pay either, the steps skip drafting and
   re-draft to re-forecast after ``probe_every`` steps, the interval doubling (up to
-  ``probe_max_every``) while the probes keep choosing 0.
+  ``probe_max_every``) while that average still does not pay.
 
 Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``)::
 
