@@ -91,7 +91,7 @@ class ControlConfig:
     max_depth: int = 15
     probe_every: int = 4
     probe_max_every: int = 64
-    plain_decay: float = 0.8
+    plain_decay: float = 0.95
     profile_steps: int = 0
     explore_every: int = 0
     tie_rtol: float = 1e-6
