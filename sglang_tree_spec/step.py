@@ -187,15 +187,14 @@ def decode_step(
     drafted = selector is not None and controller.should_draft(bs)
     topk_logprobs, forecast, budget = None, None, 0
     if drafted:
-        topk_logprobs, topk_tokens = backend.draft_topk(
-            bonus, prefix_lens, selector.topk, controller.config.max_budget
-        )
+        width = controller.tree_budget(bs)  # the largest tree this step may verify
+        topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, selector.topk, width)
         timer.mark("draft")
-        if controller.auto:  # one tree at the largest budget; every candidate nests in it
-            largest = _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus)
+        if controller.auto:  # one tree at ``width``; every candidate up to it nests in it
+            largest = _largest_tree(selector, width, topk_logprobs, topk_tokens, bonus)
             forecast = controller.forecast(rows, largest.logprobs, largest.depths, largest.valid)
             budget = controller.choose(forecast, bs)  # the step's one host read
-            tree = _tree_at(budget, largest, selector, topk_logprobs, topk_tokens, bonus)
+            tree = _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bonus)
         else:
             budget = controller.choose(None, bs)
             tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
@@ -230,23 +229,22 @@ def decode_step(
     )
 
 
-def _largest_tree(selector, controller, topk_logprobs, topk_tokens, bonus) -> DraftTree:
-    """The tree the forecast reads: the selector's own at the largest budget when its smaller
-    trees nest in it (DDTree), else the DDTree (a grafted tree's log-probs are not acceptance
+def _largest_tree(selector, budget, topk_logprobs, topk_tokens, bonus) -> DraftTree:
+    """The tree the forecast reads: the selector's own at ``budget`` when its smaller trees
+    nest in it (DDTree), else the DDTree (a grafted tree's log-probs are not acceptance
     estimates)."""
-    budget = controller.config.max_budget
     if selector.nested:
         return selector.select(topk_logprobs, topk_tokens, bonus, budget)
     return build_ddtree(topk_logprobs, topk_tokens, budget, validate=False, prune=selector.prune)
 
 
-def _tree_at(budget, largest, selector, topk_logprobs, topk_tokens, bonus) -> DraftTree:
+def _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bonus) -> DraftTree:
     """The step's ``[bs, budget]`` tree: the top nodes of ``largest`` for DDTree (no second
-    build), the selector's own at ``budget`` otherwise."""
+    build, no second ranking), the selector's own at ``budget`` otherwise."""
     if budget == 0:
         return empty_tree(largest.batch_size, largest.device)
     if selector.nested:
-        return top_nodes(largest, budget)
+        return top_nodes(largest, budget, forecast.slots)
     return selector.select(topk_logprobs, topk_tokens, bonus, budget)
 
 

@@ -21,6 +21,7 @@ from sglang_tree_spec.control import (
     dflash_drafter,
     expected_accept,
     isotonic,
+    rank_nodes,
     roofline_step_seconds,
     top_nodes,
 )
@@ -86,8 +87,10 @@ def test_surrogate_equals_brute_force_expected_accept_with_nesting():
             assert predicted[b, c].item() == pytest.approx(truth, rel=1e-4, abs=1e-6), (b, n)
             # ...and it is the top-n prefix of the big tree (nesting), node for node.
             sub = top_nodes(tree, n)
+            ranked = top_nodes(tree, n, rank_nodes(tree.logprobs, tree.depths, tree.valid).slots)
             for name in FIELDS:
                 assert torch.equal(getattr(sub, name)[b], getattr(exact_tree, name)[b]), name
+                assert torch.equal(getattr(ranked, name)[b], getattr(exact_tree, name)[b]), name
 
 
 def test_surrogate_beyond_tree_size_and_padding():
@@ -395,6 +398,40 @@ def test_choice_free_verification_and_strong_drafter_picks_max_budget():
     small = top_nodes(tree, 16)
     fc16 = ctl.forecast(torch.arange(8), small.logprobs, small.depths, small.valid)
     assert ctl.choose(fc16, 8) == 16
+
+
+def test_the_tree_built_reaches_one_candidate_above_the_last_choice():
+    """Auto builds (and drafts the depths of) the candidate above the last verified budget:
+    the choice climbs one candidate per step toward the best and a small choice pays for no
+    large tree; the largest before the first forecast, while profiling, probing and exploring."""
+    budgets = (0, 4, 8, 16, 32, 64)
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
+    ctl = BudgetController(ControlConfig(budgets=budgets, explore_every=5), flat, max_slots=8)
+    strong = strong_or_useless_tree(8, strong=True)
+    rows = torch.arange(8)
+    assert ctl.tree_budget(8) == 64  # no forecast yet
+    climbed = []
+    for _ in range(3):  # free verification: every step wants the largest tree it can see
+        tree = top_nodes(strong, ctl.tree_budget(8)) if ctl.tree_budget(8) < 64 else strong
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        climbed.append(ctl.choose(fc, 8))
+    assert climbed == [64, 64, 64] and ctl.tree_budget(8) == 64
+    steep = [[0.01, 0.0101] + [1.0] * 4] * 3  # a tree above 4 nodes costs 100 plain steps
+    steep = LatencyModel(steep, budgets, bs_buckets=(1, 8, 64))
+    ctl = BudgetController(ControlConfig(budgets=budgets, explore_every=5), steep, max_slots=8)
+    fc = ctl.forecast(rows, strong.logprobs, strong.depths, strong.valid)
+    assert ctl.choose(fc, 8) == 4
+    assert ctl.tree_budget(8) == 8  # no 64-node tree for a step that verifies 4
+    ctl.latency = flat  # verification turns free: the choice climbs one candidate a step
+    seen = []
+    for _ in range(3):
+        width = ctl.tree_budget(8)
+        tree = top_nodes(strong, width)
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        seen.append((width, ctl.choose(fc, 8)))
+    assert seen == [(8, 8), (16, 16), (32, 32)]
+    assert ctl.tree_budget(8) == 64  # the 5th drafted step explores: every candidate
+    assert roofline_controller(profile_steps=1).tree_budget(1) == 64  # profiling
 
 
 def test_choice_shrinks_at_a_compute_bound_batch():

@@ -4,7 +4,8 @@ Pure torch (imports only torch and :mod:`sglang_tree_spec.tree`). One choice per
 whole batch, over a fixed sorted set of candidate budgets (each (bs bucket, N) is one fixed
 shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
 
-* Surrogate (:mod:`.surrogate`): A_i(N) from ONE DDTree built at the largest candidate: the
+* Surrogate (:mod:`.surrogate`): A_i(N) from ONE DDTree built at ``tree_budget`` (the
+  candidate above the last choice; the largest when profiling, probing or exploring): the
   first N nodes by score are the optimal N-tree (nesting), and its expected accepted length is
   the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
@@ -26,10 +27,10 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     t0 = time.perf_counter()
     drafted = ctl.should_draft(bs)                       # host, no sync
     if drafted:
-        tree = build_ddtree(lp, tok, ctl.config.max_budget)  # [bs, max_budget]
+        tree = build_ddtree(lp, tok, ctl.tree_budget(bs))  # [bs, width]: draft that deep
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)   # sync-free
         n = ctl.choose(fc, bs)                           # host int: THE one host read
-        tree_n = top_nodes(tree, n) if n > 0 else None   # the optimal n-tree, no rebuild
+        tree_n = top_nodes(tree, n, fc.slots) if n > 0 else None  # the optimal n-tree
     else:
         fc, n = None, ctl.choose(None, bs)               # 0: plain decode step
     ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...

@@ -126,6 +126,7 @@ class Forecast:
         probs: ``[bs, B]`` ranked raw node probabilities (descending).
         depths: ``[bs, B]`` their depths.
         weights: ``[bs, B]`` depth-calibrated ranked node probabilities.
+        slots: ``[bs, B]`` int64 the ranked nodes' slots in the tree (for :func:`top_nodes`).
         request_scale: ``[bs]`` per-request calibration factor r_i.
         accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
     """
@@ -134,6 +135,7 @@ class Forecast:
     probs: torch.Tensor
     depths: torch.Tensor
     weights: torch.Tensor
+    slots: torch.Tensor
     request_scale: torch.Tensor
     accept: torch.Tensor
 
@@ -194,6 +196,7 @@ class BudgetController:
         self._steps_since_draft = 0
         self._arrivals = 0  # requests arrived since the last forecast
         self._drafted_steps = 0  # drafted auto steps after the profile
+        self._last_verified: int | None = None  # the last forecast step's verified budget
         # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
         self._drafted_gain = [0.0, 0.0]
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
@@ -228,6 +231,21 @@ class BudgetController:
             return False
         return self._stalest(bs, list(self.config.budgets)) == 0
 
+    def tree_budget(self, bs: int) -> int:
+        """Host only: the tree a drafted step builds (and the depths it drafts), the
+        forecast's reach. Fixed: the budget. Auto: the candidate one above the last verified
+        budget, so the choice can climb one candidate a step and the larger trees (and the
+        drafter's deeper LM-head rows) are not paid for while the choice stays below them;
+        the largest candidate before the first forecast, while the bucket is profiled, on a
+        probe and on an exploration step, which must see every candidate."""
+        if not self.auto:
+            return self.config.fixed_budget
+        budgets, last, every = self.config.budgets, self._last_verified, self.config.explore_every
+        exploring = every and (self._drafted_steps + 1) % every == 0
+        if last is None or self._plain or exploring or self._to_profile(bs) is not None:
+            return budgets[-1]
+        return budgets[min(budgets.index(last) + 1, len(budgets) - 1)]
+
     def should_draft(self, bs: int) -> bool:
         """Host only. False while auto keeps choosing 0 (except for its probes, see
         ``ControlConfig.probe_every``) or profiles budget 0: a plain decode step then skips
@@ -249,14 +267,14 @@ class BudgetController:
     ) -> Forecast:
         """Sync-free predictions from the step's tree (``DraftTree`` fields, ``[bs, B]``).
 
-        Build the tree at ``config.max_budget``; every candidate is its top-N prefix.
+        Build the tree at :meth:`tree_budget`; every candidate up to it is its top-N prefix.
         """
         ranked = rank_nodes(logprobs, depths, valid)
         weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
         scale = self.calibrator.request_scale(rows)  # [bs]
         accept = prefix_sums_at(weights, self._budgets_t) * scale.unsqueeze(1)
         accept = accept.clamp(0.0, float(self.config.max_depth))  # [bs, C]
-        return Forecast(rows, ranked.probs, ranked.depths, weights, scale, accept)
+        return Forecast(rows, ranked.probs, ranked.depths, weights, ranked.slots, scale, accept)
 
     def _count(self, budget: int) -> int:
         self.last_budget = budget
@@ -311,6 +329,7 @@ class BudgetController:
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
         elif best == 0 and not pays:  # plain steps pay more, now and on average: a plain run
             self._plain = True
+        self._last_verified = verified
         return self._count(verified)
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:

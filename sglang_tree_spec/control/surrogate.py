@@ -84,21 +84,23 @@ def expected_accept(tree: DraftTree, budgets: tuple[int, ...]) -> torch.Tensor:
     return prefix_sums_at(ranked.probs, budget_index(budgets, tree.device))
 
 
-def top_nodes(tree: DraftTree, n: int) -> DraftTree:
+def top_nodes(tree: DraftTree, n: int, ranked_slots: torch.Tensor | None = None) -> DraftTree:
     """The optimal ``n``-node tree inside a larger DDTree: its first ``n`` nodes by score.
 
     Equal to ``build_ddtree(..., budget=n)`` on the same inputs (nesting), without a second
     build: the kept nodes are prefix closed (a child never outranks its parent) and keep their
     breadth-first order; parents are renumbered. Sync-free, ``[bs, n]`` tensors.
+    ``ranked_slots``: ``[bs, B]`` the tree's :func:`rank_nodes` slots when already ranked.
     """
     bs, b = tree.tokens.shape
     if not 1 <= n <= b:
         raise ValueError(f"n must be in 1..{b}, got {n}")
     if n == b:
         return tree
-    ranked = rank_nodes(tree.logprobs, tree.depths, tree.valid)
+    if ranked_slots is None:
+        ranked_slots = rank_nodes(tree.logprobs, tree.depths, tree.valid).slots
     keep = torch.zeros(bs, b, dtype=torch.bool, device=tree.device)
-    keep.scatter_(1, ranked.slots[:, :n], True)  # [bs, B], n per row
+    keep.scatter_(1, ranked_slots[:, :n], True)  # [bs, B], n per row
     new_slot = keep.long().cumsum(dim=1) - 1  # [bs, B] index among kept nodes
     # Kept slots in breadth-first order: the k-th kept slot is where new_slot == k.
     order = torch.where(keep, new_slot, n)  # dropped slots to a spill column
