@@ -33,6 +33,12 @@ stamp=$venv/.sglang-cpu-stamp
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 if [ ! -x "$venv/bin/python" ]; then
+  # A new venv takes ~6 GB (torch's CUDA build and its nvidia-* wheels), plus pip's unpacking.
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((8 * 1024 * 1024)) ]; then
+    echo "setup-dev: only $((free_kb / 1024)) MB free under $PWD; a new $venv needs about 8 GB" >&2
+    exit 1
+  fi
   echo "setup-dev: creating $venv with $($python --version)"
   "$python" -m venv "$venv"
 fi

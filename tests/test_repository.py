@@ -105,3 +105,29 @@ def test_launch_scripts_parse_and_the_cpu_demo_launches_ddtree():
     demo = (ROOT / "launch" / "serve-cpu-demo.sh").read_text()
     assert "--speculative-algorithm DDTREE" in demo
     assert "sglang.launch_server" in demo
+
+
+def test_setup_refuses_a_new_venv_on_a_full_disk_in_one_line(tmp_path):
+    """A disk too full for torch's wheels stops setup before pip, with one line saying so
+    (pip's own failure is an OSError deep in its output); nothing is created."""
+    (tmp_path / "launch").mkdir()
+    for name in ("setup-dev.sh", "sglang-cpu-requirements.txt"):
+        (tmp_path / "launch" / name).write_text((ROOT / "launch" / name).read_text())
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    df = shims / "df"  # the disk as df reports it: 300 MB free
+    df.write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available'\necho 'x 1 1 307200'\n")
+    df.chmod(0o755)
+    env = {"PATH": f"{shims}:/usr/local/bin:/usr/bin:/bin", "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(tmp_path / "launch" / "setup-dev.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"setup-dev: only 300 MB free under {tmp_path}; a new .venv needs about 8 GB"
+    ]
+    assert not (tmp_path / ".venv").exists()
