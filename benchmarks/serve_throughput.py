@@ -13,8 +13,11 @@ calibrated predicted vs observed accept length, and the latency model's step-tim
 Ratios are against ``none`` measured in the same run; every configuration's greedy outputs are
 compared with ``none``'s (the ``mismatch`` column must be 0).
 
-Configurations: ``none``; ``chain`` (DDTREE at top-1 per depth and the drafter's whole block:
-the DFlash chain through the same worker); ``ddtree:B`` (fixed budget B); ``ddtree:auto``
+Configurations: ``none``; ``none-no-overlap`` (no speculation with
+``--disable-overlap-schedule``: DDTREE turns SGLang's overlap scheduler off on CPU, so this is
+the plain decoding it is compared with step for step); ``chain`` (DDTREE at top-1 per depth
+and the drafter's whole block: the DFlash chain through the same worker); ``ddtree:B`` (fixed
+budget B); ``ddtree:auto``
 (budget control up to ``--auto-max-budget``); ``ddtree-graft:B|auto`` (with the unified graft);
 on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter.
 
@@ -131,8 +134,11 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
         return command
     if config == "none":
         return command
+    if config == "none-no-overlap":
+        return [*command, "--disable-overlap-schedule"]
     raise SystemExit(
-        f"unknown configuration {config!r} (none, chain, dflash, ddtree:<B|auto>, "
+        f"unknown configuration {config!r} (none, none-no-overlap, chain, dflash, "
+        "ddtree:<B|auto>, "
         "ddtree-graft:<B|auto>)"
     )
 
