@@ -48,7 +48,11 @@ class CalibrationConfig:
 
 
 class AcceptCalibrator:
-    """Per-depth x per-request calibration state for ``max_slots`` request slots, L depths."""
+    """Per-depth x per-request calibration state for ``max_slots`` request slots, L depths.
+
+    Depth sums are indexed by the depth itself (column 0 unused): a node's depth (1..L, a
+    :class:`~sglang_tree_spec.tree.DraftTree` invariant) reads its factor without an offset.
+    """
 
     def __init__(
         self,
@@ -59,57 +63,60 @@ class AcceptCalibrator:
     ) -> None:
         self.config = config
         self.max_depth = max_depth
-        self.depth_pred = torch.zeros(max_depth, device=device)  # [L] decayed M_d
-        self.depth_obs = torch.zeros(max_depth, device=device)  # [L] decayed O_d
-        self.req_pred = torch.zeros(max_slots, device=device)  # [S] decayed P_i
-        self.req_obs = torch.zeros(max_slots, device=device)  # [S] decayed O_i
-        self._depth_ids = torch.arange(1, max_depth + 1, device=device)  # [L]
+        self.depth_sums = torch.zeros(2, max_depth + 1, device=device)  # [2, L+1] M_d, O_d
+        self.request_sums = torch.zeros(max_slots, 2, device=device)  # [S, 2] P_i, O_i
+        # [L+1] the depth of each column; column 0 is no depth: an id no accept length reaches
+        self._depth_ids = torch.arange(max_depth + 1, device=device)
+        self._depth_ids[0] = max_depth + 1
+
+    def _depth_table(self) -> torch.Tensor:
+        """``[L+1]`` s_d at column d."""
+        c = self.config.depth_prior
+        return (self.depth_sums[1] + c) / (self.depth_sums[0] + c)
 
     def depth_scale(self) -> torch.Tensor:
         """``[L]`` s_d."""
-        c = self.config.depth_prior
-        return (self.depth_obs + c) / (self.depth_pred + c)
+        return self._depth_table()[1:]
 
     def request_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """``[bs]`` r_i for the batch's slots ``rows`` (``[bs]`` int64)."""
         c = self.config.request_prior
-        return (self.req_obs[rows] + c) / (self.req_pred[rows] + c)
+        sums = self.request_sums[rows] + c  # [bs, 2]
+        return sums[:, 1] / sums[:, 0]
 
     def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u)."""
-        index = (depths - 1).clamp(0, self.max_depth - 1)
-        return probs * self.depth_scale()[index]
+        """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u) (depths in 1..L)."""
+        return probs * self._depth_table()[depths]
 
     def depth_mass(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """``[bs, L]`` predicted mass per depth of the given nodes (``[bs, n]`` each)."""
-        index = (depths - 1).clamp(0, self.max_depth - 1)
-        mass = probs.new_zeros(probs.shape[0], self.max_depth)
-        return mass.scatter_add_(1, index, probs)
+        """``[bs, L+1]`` predicted mass per depth (column d) of the given nodes (``[bs, n]``
+        each, depths in 1..L; column 0 stays 0)."""
+        mass = probs.new_zeros(probs.shape[0], self.max_depth + 1)
+        return mass.scatter_add_(1, depths, probs)
 
     def update(
         self,
         rows: torch.Tensor,
         mass: torch.Tensor,
         calibrated_pred: torch.Tensor,
-        accept_len: torch.Tensor,
+        accept: torch.Tensor,
     ) -> None:
         """Fold in one verified step.
 
         Args:
             rows: ``[bs]`` int64 request slots.
-            mass: ``[bs, L]`` raw predicted mass per depth of the VERIFIED tree.
+            mass: ``[bs, L+1]`` raw predicted mass per depth of the VERIFIED tree
+                (:meth:`depth_mass`).
             calibrated_pred: ``[bs]`` depth-calibrated prediction (before r) of that tree.
-            accept_len: ``[bs]`` accepted draft tokens (bonus excluded).
+            accept: ``[bs]`` accepted draft tokens (bonus excluded), in ``mass``'s dtype.
         """
         cfg = self.config
-        accept = accept_len.to(mass.dtype)
-        observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L]
-        self.depth_pred.mul_(cfg.depth_decay).add_(mass.sum(0))
-        self.depth_obs.mul_(cfg.depth_decay).add_(observed.sum(0))
-        self.req_pred[rows] = self.req_pred[rows] * cfg.request_decay + calibrated_pred
-        self.req_obs[rows] = self.req_obs[rows] * cfg.request_decay + accept
+        observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L+1]
+        step = torch.stack([mass.sum(0), observed.sum(0)])  # [2, L+1]
+        self.depth_sums.mul_(cfg.depth_decay).add_(step)
+        request = torch.stack([calibrated_pred, accept], dim=1)  # [bs, 2]
+        self.request_sums[rows] = self.request_sums[rows] * cfg.request_decay + request
 
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""
-        self.req_pred[rows] = 0.0
-        self.req_obs[rows] = 0.0
+        self.request_sums[rows] = 0.0

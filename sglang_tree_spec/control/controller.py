@@ -188,7 +188,8 @@ class BudgetController:
         self.latency = latency
         self.calibrator = AcceptCalibrator(max_slots, config.max_depth, config.calibration, device)
         self._budgets_t = budget_index(config.budgets, device)  # [C]
-        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # pred, obs, count
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # pred, obs sums
+        self._request_steps = 0  # verified request-steps the totals cover
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
@@ -272,8 +273,8 @@ class BudgetController:
         ranked = rank_nodes(logprobs, depths, valid)
         weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
         scale = self.calibrator.request_scale(rows)  # [bs]
-        accept = prefix_sums_at(weights, self._budgets_t) * scale.unsqueeze(1)
-        accept = accept.clamp(0.0, float(self.config.max_depth))  # [bs, C]
+        accept = prefix_sums_at(weights, self._budgets_t).mul_(scale.unsqueeze(1))
+        accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
         return Forecast(rows, ranked.probs, ranked.depths, weights, ranked.slots, scale, accept)
 
     def _count(self, budget: int) -> int:
@@ -351,15 +352,13 @@ class BudgetController:
         if n <= 0:
             return
         cal = self.calibrator
-        mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L]
+        mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        predicted = (depth_cal * forecast.request_scale).clamp(0.0, float(self.config.max_depth))
-        accept = accept_len.to(torch.float64)
-        step = torch.stack(
-            [predicted.sum().double(), accept.sum(), accept.new_tensor(float(accept.numel()))]
-        )
-        self._totals.add_(step)
-        cal.update(forecast.rows, mass, depth_cal, accept_len)
+        predicted = (depth_cal * forecast.request_scale).clamp_(0.0, float(self.config.max_depth))
+        accept = accept_len.to(predicted.dtype)
+        self._totals.add_(torch.stack([predicted.sum(), accept.sum()]))
+        self._request_steps += accept.numel()
+        cal.update(forecast.rows, mass, depth_cal, accept)
 
     def record_step(self, bs: int, budget: int, seconds: float, drafted: bool = True) -> None:
         """Host: a measured step time. A drafted step verified at budget 0 is not a plain
@@ -383,7 +382,8 @@ class BudgetController:
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""
-        pred, obs, count = self._totals.tolist()
+        pred, obs = self._totals.tolist()
+        count = float(self._request_steps)
         return ControlStats(
             last_budget=self.last_budget,
             mean_predicted_accept=pred / max(count, 1.0),

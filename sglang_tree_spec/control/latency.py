@@ -245,6 +245,7 @@ class LatencyModel:
         self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
         self._abs_rel_err = 0.0
         self._err_count = 0
+        self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
 
     @classmethod
     def from_roofline(
@@ -291,6 +292,11 @@ class LatencyModel:
         medians under a weighted isotonic fit (weights: sample counts), and between them the
         calibrated prior, clamped to the fitted cells on either side."""
         bucket = bucket_of(self.bs_buckets, bs)
+        if bucket not in self._rows:
+            self._rows[bucket] = self._fit_row(bucket)
+        return list(self._rows[bucket])
+
+    def _fit_row(self, bucket: int) -> list[float]:
         counts = self.count[bucket]
         measured = [c for c, n in enumerate(counts) if n]
         fitted = dict(
@@ -330,6 +336,7 @@ class LatencyModel:
             self._sums[i] = self._sums[i] * d + v
         self._samples[bucket][column].append(seconds)
         self.count[bucket][column] += 1
+        self._rows.clear()  # the calibration moved every prior: every row is refitted
         return True
 
     def mean_abs_rel_error(self) -> float:

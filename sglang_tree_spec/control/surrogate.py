@@ -69,9 +69,8 @@ def prefix_sums_at(weights: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor
     Returns:
         ``[bs, C]`` float32; column c is sum_{j < budgets[c]} weights[:, j] (0 for budget 0).
     """
-    bs, b = weights.shape
-    csum = torch.cat([weights.new_zeros(bs, 1), weights.cumsum(dim=1)], dim=1)  # [bs, B + 1]
-    return csum.gather(1, budgets.clamp(max=b).unsqueeze(0).expand(bs, -1))
+    csum = torch.nn.functional.pad(weights.cumsum(dim=1), (1, 0))  # [bs, B + 1]
+    return csum.index_select(1, budgets.clamp(max=weights.shape[1]))
 
 
 def expected_accept(tree: DraftTree, budgets: tuple[int, ...]) -> torch.Tensor:
