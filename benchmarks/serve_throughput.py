@@ -138,8 +138,7 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
         return [*command, "--disable-overlap-schedule"]
     raise SystemExit(
         f"unknown configuration {config!r} (none, none-no-overlap, chain, dflash, "
-        "ddtree:<B|auto>, "
-        "ddtree-graft:<B|auto>)"
+        "ddtree:<B|auto>, ddtree-graft:<B|auto>)"
     )
 
 

@@ -113,7 +113,9 @@ class ControlConfig:
 
     @property
     def max_budget(self) -> int:
-        """The tree size to build each drafted step (every candidate is a prefix of it)."""
+        """The largest tree a drafted step may build (auto builds
+        :meth:`BudgetController.tree_budget`, at most this; every candidate up to the built size
+        is a prefix of it)."""
         return self.fixed_budget if self.fixed_budget is not None else self.budgets[-1]
 
 
@@ -227,10 +229,14 @@ class BudgetController:
         """The next drafted step is an exploration step and budget 0's cell is the stalest:
         take a plain step instead (C(bs, 0) is measured by plain steps only, and auto sitting
         at a budget > 0 takes none)."""
-        every = self.config.explore_every
-        if not every or (self._drafted_steps + 1) % every:
+        if not self._explores_next():
             return False
         return self._stalest(bs, list(self.config.budgets)) == 0
+
+    def _explores_next(self) -> bool:
+        """The next drafted step after the profile is an exploration step."""
+        every = self.config.explore_every
+        return bool(every) and (self._drafted_steps + 1) % every == 0
 
     def tree_budget(self, bs: int) -> int:
         """Host only: the tree a drafted step builds (and the depths it drafts), the
@@ -241,9 +247,8 @@ class BudgetController:
         probe and on an exploration step, which must see every candidate."""
         if not self.auto:
             return self.config.fixed_budget
-        budgets, last, every = self.config.budgets, self._last_verified, self.config.explore_every
-        exploring = every and (self._drafted_steps + 1) % every == 0
-        if last is None or self._plain or exploring or self._to_profile(bs) is not None:
+        budgets, last = self.config.budgets, self._last_verified
+        if last is None or self._plain or self._explores_next() or self._to_profile(bs) is not None:
             return budgets[-1]
         return budgets[min(budgets.index(last) + 1, len(budgets) - 1)]
 
