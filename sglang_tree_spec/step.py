@@ -40,6 +40,11 @@ from sglang_tree_spec.tree.select import (
     empty_tree,
 )
 
+# Auto: drafted steps a forecast's choice holds for (ControlConfig.hold_steps). A forecast step
+# costs ~20 small tensor ops more than a fixed-budget step (rank, calibrate, choose, cut the
+# tree, update the calibration) and builds a tree one candidate larger than it verifies.
+HOLD_STEPS = 4
+
 
 class StepBackend(Protocol):
     """The model-side operations of a decode step (an engine's or a server's)."""
@@ -187,16 +192,17 @@ def decode_step(
     drafted = selector is not None and controller.should_draft(bs)
     topk_logprobs, forecast, budget = None, None, 0
     if drafted:
-        width = controller.tree_budget(bs)  # the largest tree this step may verify
+        held = controller.held_budget(bs)  # fixed, or a held auto choice; None: forecast
+        width = controller.tree_budget(bs) if held is None else held  # the largest verifiable
         topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, selector.topk, width)
         timer.mark("draft")
-        if controller.auto:  # one tree at ``width``; every candidate up to it nests in it
+        if held is None:  # one tree at ``width``; every candidate up to it nests in it
             largest = _largest_tree(selector, width, topk_logprobs, topk_tokens, bonus)
             forecast = controller.forecast(rows, largest.logprobs, largest.depths, largest.valid)
             budget = controller.choose(forecast, bs)  # the step's one host read
             tree = _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bonus)
         else:
-            budget = controller.choose(None, bs)
+            budget = held
             tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
     else:
         controller.choose(None, bs)
@@ -257,13 +263,17 @@ def make_controller(
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
-    every batch-size bucket, each cell the minimum of 3 steps; every 32nd drafted step then
-    re-measures the stalest budget)."""
+    every batch-size bucket, each cell the minimum of 3 steps; every 32nd forecast step then
+    re-measures the stalest budget; a choice holds for ``HOLD_STEPS`` drafted steps)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
     auto = ControlConfig(
-        budgets=config.budgets, max_depth=max_depth, profile_steps=3, explore_every=32
+        budgets=config.budgets,
+        max_depth=max_depth,
+        profile_steps=3,
+        explore_every=32,
+        hold_steps=HOLD_STEPS,
     )
     return BudgetController(auto, latency, max_slots, device)
 

@@ -434,6 +434,40 @@ def test_the_tree_built_reaches_one_candidate_above_the_last_choice():
     assert roofline_controller(profile_steps=1).tree_budget(1) == 64  # profiling
 
 
+def test_a_choice_holds_for_hold_steps_of_the_same_batch():
+    """A forecast's budget > 0 serves the next ``hold_steps - 1`` drafted steps of the same
+    batch without a forecast (counted as their choices); a request arriving or a batch-size
+    change ends the hold, a forecast that prefers plain steps starts none."""
+    budgets = (0, 4, 8, 16, 32, 64)
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
+    ctl = BudgetController(ControlConfig(budgets=budgets, hold_steps=3), flat, max_slots=8)
+    strong = strong_or_useless_tree(8, strong=True)
+    rows = torch.arange(8)
+
+    def forecast_step(bs: int = 8) -> int:
+        assert ctl.held_budget(bs) is None  # not held: this step forecasts
+        fc = ctl.forecast(rows[:bs], strong.logprobs[:bs], strong.depths[:bs], strong.valid[:bs])
+        return ctl.choose(fc, bs)
+
+    assert forecast_step() == 64
+    assert [ctl.held_budget(8), ctl.held_budget(8)] == [64, 64]
+    assert ctl.stats().budget_counts == {64: 3}
+    assert forecast_step() == 64  # the hold is over: forecast again
+    ctl.reset(torch.tensor([3]))  # a request arrived: the next drafted step forecasts
+    assert forecast_step() == 64
+    assert ctl.held_budget(4) is None  # another batch size: no hold either
+    useless = strong_or_useless_tree(8, strong=False)
+    fc = ctl.forecast(rows, useless.logprobs, useless.depths, useless.valid)
+    steep = LatencyModel([[0.01] + [1.0] * 5] * 3, budgets, bs_buckets=(1, 8, 64))
+    ctl.latency = steep
+    assert ctl.choose(fc, 8) == 4  # plain steps win: verified (paid for), nothing held
+    assert ctl.held_budget(8) is None
+    fixed = BudgetController(ControlConfig(fixed_budget=16), None, max_slots=8)
+    assert [fixed.held_budget(8) for _ in range(5)] == [16] * 5  # fixed: held for ever
+    with pytest.raises(ValueError, match="hold_steps"):
+        ControlConfig(hold_steps=0)
+
+
 def test_choice_shrinks_at_a_compute_bound_batch():
     lp, tok = random_marginals(1, 15, 16, 64, seed=11, sharpness=4.0)
     chosen = {}

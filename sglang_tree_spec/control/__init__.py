@@ -1,4 +1,4 @@
-"""Budget control: the batch's tree size chosen every step from predicted accepted tokens/s.
+"""Budget control: the batch's tree size chosen from predicted accepted tokens per second.
 
 Pure torch (imports only torch and :mod:`sglang_tree_spec.tree`). One choice per step for the
 whole batch, over a fixed sorted set of candidate budgets (each (bs bucket, N) is one fixed
@@ -26,7 +26,10 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     ctl.reset(new_rows)                                  # a request arrived in these slots
     t0 = time.perf_counter()
     drafted = ctl.should_draft(bs)                       # host, no sync
-    if drafted:
+    held = ctl.held_budget(bs) if drafted else None      # fixed, or a held auto choice
+    if held is not None:                                 # as a fixed budget: no forecast
+        fc, n, tree_n = None, held, build_ddtree(lp, tok, held)
+    elif drafted:
         tree = build_ddtree(lp, tok, ctl.tree_budget(bs))  # [bs, width]: draft that deep
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)   # sync-free
         n = ctl.choose(fc, bs)                           # host int: THE one host read
@@ -41,7 +44,8 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     ctl.stats()                                          # every K steps, for logs / metrics
 
 Fixed mode (``ControlConfig(fixed_budget=N)``) goes through the same calls, returns N from
-``choose`` with no host read, and needs no latency model.
+``held_budget`` (or 0 from ``choose`` when N = 0) with no host read, and needs no latency model.
+Auto's choice holds for ``hold_steps`` drafted steps of the same batch (``held_budget``).
 """
 
 from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig

@@ -82,6 +82,11 @@ class ControlConfig:
         measured once under a burst of load is not avoided for ever; when that is budget 0,
         the step before the exploration step is a plain one (no draft), and the exploration
         step then takes the stalest budget > 0.
+    hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the
+        forecast step included) while the batch is the same: the steps after it draft and build
+        at that budget alone, like a fixed budget (no forecast, no ranking, no calibration
+        update, a tree no larger than verified). 1: every drafted step forecasts. A request
+        arriving, a batch-size change, a probe, the profile and an exploration step end a hold.
     tie_rtol: objectives within this relative margin of the best count as ties.
     calibration: the acceptance calibration's decays and priors.
     """
@@ -94,6 +99,7 @@ class ControlConfig:
     plain_decay: float = 0.95
     profile_steps: int = 0
     explore_every: int = 0
+    hold_steps: int = 1
     tie_rtol: float = 1e-6
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -108,6 +114,8 @@ class ControlConfig:
             )
         if not 0.0 <= self.plain_decay < 1.0:
             raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
+        if self.hold_steps < 1:
+            raise ValueError(f"hold_steps must be >= 1, got {self.hold_steps}")
         if self.fixed_budget is not None and self.fixed_budget < 0:
             raise ValueError(f"fixed_budget must be >= 0, got {self.fixed_budget}")
 
@@ -203,6 +211,7 @@ class BudgetController:
         # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
         self._drafted_gain = [0.0, 0.0]
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
+        self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
 
     @property
     def auto(self) -> bool:
@@ -251,6 +260,20 @@ class BudgetController:
         if last is None or self._plain or self._explores_next() or self._to_profile(bs) is not None:
             return budgets[-1]
         return budgets[min(budgets.index(last) + 1, len(budgets) - 1)]
+
+    def held_budget(self, bs: int) -> int | None:
+        """Host only, for a step that drafts: its budget when no forecast is needed, counted
+        as the step's choice; None: forecast and :meth:`choose`. Fixed: the fixed budget.
+        Auto: the last forecast's choice while it holds (``ControlConfig.hold_steps``)."""
+        if not self.auto:
+            return self._count(self.config.fixed_budget)
+        hold = self._hold
+        if hold is None or hold[1] != bs or self._arrivals:
+            self._hold = None
+            return None
+        budget, _, left = hold
+        self._hold = (budget, bs, left - 1) if left > 1 else None
+        return self._count(budget)
 
     def should_draft(self, bs: int) -> bool:
         """Host only. False while auto keeps choosing 0 (except for its probes, see
@@ -335,6 +358,8 @@ class BudgetController:
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
         elif best == 0 and not pays:  # plain steps pay more, now and on average: a plain run
             self._plain = True
+        if best > 0 and self.config.hold_steps > 1:
+            self._hold = (best, bs, self.config.hold_steps - 1)
         self._last_verified = verified
         return self._count(verified)
 
