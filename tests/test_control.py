@@ -268,6 +268,15 @@ def roofline_controller(budgets=(0, 4, 8, 16, 32, 64), **kwargs):
     return BudgetController(ControlConfig(budgets=budgets, **kwargs), latency, max_slots=64)
 
 
+def step_budget(ctl: BudgetController, bs: int, fc) -> tuple[int, bool]:
+    """One step's budget as ``decode_step`` asks for it: plain, given without a forecast
+    (fixed, profiled, explored, held) or chosen from ``fc``; and whether the step drafted."""
+    if not ctl.should_draft(bs):
+        return ctl.choose(None, bs), False
+    held = ctl.held_budget(bs)
+    return (held if held is not None else ctl.choose(fc, bs)), True
+
+
 def test_choice_useless_drafter_picks_plain_decode_and_stops_drafting():
     """The model prefers plain steps: the drafter is skipped except for probes, which
     re-forecast and, their draft paid for, verify at the cheapest budget > 0; each probe that
@@ -502,13 +511,12 @@ def test_profile_measures_every_candidate_before_choosing():
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
     order = []
     for _ in range(len(ctl.config.budgets)):
-        drafted = ctl.should_draft(1)
-        budget = ctl.choose(fc if drafted else None, 1)
+        budget, drafted = step_budget(ctl, 1, None)  # a profile step needs no forecast
         ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
         order.append((budget, drafted))
     assert order == [(0, False)] + [(b, True) for b in ctl.config.budgets[1:]]
-    assert ctl.should_draft(1) and ctl.choose(fc, 1) == 4  # profiled: useless drafter -> plain
-    assert not ctl.should_draft(1) and ctl.choose(None, 1) == 0
+    assert step_budget(ctl, 1, fc) == (4, True)  # profiled: useless drafter -> plain
+    assert step_budget(ctl, 1, fc) == (0, False)
 
 
 def test_a_cell_reads_the_median_of_its_recent_samples():
@@ -564,8 +572,7 @@ def test_exploration_re_measures_plain_steps_while_auto_drafts():
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
     steps = []
     for _ in range(len(ctl.config.budgets) + 16):  # the profile, then 16 steps
-        drafted = ctl.should_draft(1)
-        budget = ctl.choose(fc if drafted else None, 1)
+        budget, drafted = step_budget(ctl, 1, fc)
         ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)  # drafting pays
         steps.append((budget, drafted))
     after = steps[len(ctl.config.budgets) :]
@@ -580,21 +587,38 @@ def test_exploration_re_measures_plain_steps_while_auto_drafts():
     assert len({after[i][0] for i in (4, 8, 12)} - {best}) == 3  # then the stalest > 0
 
 
-def test_exploration_re_measures_the_stalest_budget():
-    """After the profile, every ``explore_every``-th drafted step takes the budget measured
-    longest ago, whatever the model prefers."""
-    ctl = roofline_controller(profile_steps=1, explore_every=4)
-    tree = strong_or_useless_tree(1, strong=False)
+def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
+    """After the profile, every ``explore_every``-th drafted step takes the budget > 0
+    measured longest ago, whatever the model prefers, without a forecast (it costs what a
+    held step of that budget costs); a plain run's probes always forecast."""
+    steep = [[0.01] + [0.012] + [1.0] * 4] * 3  # the model wants 4 (trees above cost 100x)
+    budgets = (0, 4, 8, 16, 32, 64)
+    ctl = BudgetController(
+        ControlConfig(budgets=budgets, profile_steps=1, explore_every=4),
+        LatencyModel(steep, budgets, bs_buckets=(1, 8, 64)),
+        max_slots=8,
+    )
+    tree = strong_or_useless_tree(1, strong=True)
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
-    for _ in range(len(ctl.config.budgets)):  # the profile
-        drafted = ctl.should_draft(1)
-        budget = ctl.choose(fc if drafted else None, 1)
-        ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
+    for _ in range(len(budgets)):  # the profile
+        budget, drafted = step_budget(ctl, 1, None)
+        ctl.record_step(1, budget, steep[0][budgets.index(budget)], drafted)
     chosen = []
-    for _ in range(12):  # drafted steps (probes): a useless drafter, the model says 0, so 4
-        budget = ctl.choose(fc, 1)
-        ctl.record_step(1, budget, 0.01 * (budget + 1), True)
+    for _ in range(12):
+        budget, drafted = step_budget(ctl, 1, fc)
+        ctl.record_step(1, budget, steep[0][budgets.index(budget)], drafted)
         chosen.append(budget)
-    explored = [chosen[i] for i in (3, 7, 11)]
-    assert [b for i, b in enumerate(chosen) if i not in (3, 7, 11)] == [4] * 9
-    assert explored == [8, 16, 32]  # each time the stalest: a different budget
+    # budget 0's cell (the profile's) is the stalest first: a plain step, then the stalest > 0
+    assert chosen == [4, 4, 4, 0, 8, 4, 4, 4, 16, 4, 4, 4]
+    useless = roofline_controller(profile_steps=1, explore_every=2)
+    bad = strong_or_useless_tree(1, strong=False)
+    bad_fc = useless.forecast(torch.arange(1), bad.logprobs, bad.depths, bad.valid)
+    for _ in range(len(budgets)):
+        budget, drafted = step_budget(useless, 1, None)
+        useless.record_step(1, budget, 0.01 * (budget + 1), drafted)
+    probes = []
+    for _ in range(40):
+        budget, drafted = step_budget(useless, 1, bad_fc)
+        useless.record_step(1, budget, 0.01 * (budget + 1), drafted)
+        probes.append(budget)
+    assert set(probes) == {0, 4}  # probes forecast (and verify at 4): no exploration

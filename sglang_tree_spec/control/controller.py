@@ -252,22 +252,33 @@ class BudgetController:
         forecast's reach. Fixed: the budget. Auto: the candidate one above the last verified
         budget, so the choice can climb one candidate a step and the larger trees (and the
         drafter's deeper LM-head rows) are not paid for while the choice stays below them;
-        the largest candidate before the first forecast, while the bucket is profiled, on a
-        probe and on an exploration step, which must see every candidate."""
+        the largest candidate before the first forecast and on a probe, which must see every
+        candidate."""
         if not self.auto:
             return self.config.fixed_budget
         budgets, last = self.config.budgets, self._last_verified
-        if last is None or self._plain or self._explores_next() or self._to_profile(bs) is not None:
+        if last is None or self._plain:
             return budgets[-1]
         return budgets[min(budgets.index(last) + 1, len(budgets) - 1)]
 
     def held_budget(self, bs: int) -> int | None:
         """Host only, for a step that drafts: its budget when no forecast is needed, counted
         as the step's choice; None: forecast and :meth:`choose`. Fixed: the fixed budget.
-        Auto: the last forecast's choice while it holds (``ControlConfig.hold_steps``)."""
+        Auto: the profiled budget while the bucket is profiled, the stalest budget > 0 on an
+        exploration step (``ControlConfig.explore_every``; so both measure the step a budget
+        costs without a forecast), else the last forecast's choice while it holds
+        (``ControlConfig.hold_steps``)."""
         if not self.auto:
             return self._count(self.config.fixed_budget)
+        self._steps_since_draft = 0
+        profiled = self._to_profile(bs)
+        if profiled is not None:  # > 0: should_draft takes budget 0's profile steps plain
+            return self._count(profiled)
         hold = self._hold
+        if not self._plain and self._explores_next():
+            self._drafted_steps += 1
+            self._hold = None
+            return self._count(self._stalest(bs, [b for b in self.config.budgets if b > 0]))
         if hold is None or hold[1] != bs or self._arrivals:
             self._hold = None
             return None
@@ -328,14 +339,7 @@ class BudgetController:
             self._steps_since_draft += 1
             return self._count(0)
         self._steps_since_draft = self._arrivals = 0
-        profiled = self._to_profile(bs)
-        if profiled is not None and profiled <= forecast.tree_budget:
-            return self._count(profiled)
         self._drafted_steps += 1
-        every = self.config.explore_every
-        if every and self._drafted_steps % every == 0:
-            budgets = [b for b in self.config.budgets if 0 < b <= forecast.tree_budget]
-            return self._count(self._stalest(bs, budgets))
         totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
         seconds = self.latency.row(bs)
         choice = partial(
