@@ -142,6 +142,7 @@ class StepResult:
         committed_tokens: ``[bs, P]`` int64, -1 after ``commit_lens``.
         topk_logprobs: ``[bs, L, K]`` the drafter's top-K log-probs (None when not drafted).
         budget: the step's budget (0: a plain step).
+        forecast: the budget was chosen by a forecast this step (auto, not held).
         logits: ``[bs, W, V]`` the verify logits the acceptance read (log-probs come from them).
     """
 
@@ -151,6 +152,7 @@ class StepResult:
     committed_tokens: torch.Tensor
     topk_logprobs: torch.Tensor | None
     budget: int
+    forecast: bool
     logits: torch.Tensor
 
 
@@ -223,7 +225,8 @@ def decode_step(
     timer.mark("commit")
     timer.end_step(bs)
     if time_step:
-        controller.record_step(bs, budget, time.perf_counter() - start, drafted)
+        elapsed = time.perf_counter() - start
+        controller.record_step(bs, budget, elapsed, drafted, forecast is not None)
     return StepResult(
         tree,
         accept,
@@ -231,6 +234,7 @@ def decode_step(
         accept.committed_tokens[:, :path_width],
         topk_logprobs,
         budget,
+        forecast is not None,
         logits,
     )
 

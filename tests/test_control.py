@@ -461,6 +461,12 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     assert forecast_step() == 64
     assert [ctl.held_budget(8), ctl.held_budget(8)] == [64, 64]
     assert ctl.stats().budget_counts == {64: 3}
+    ctl.record_step(8, 64, 0.5, drafted=True, forecast=True)  # a forecast step's time: not
+    ctl.record_step(8, 64, 0.02, drafted=True)  # recorded while choices hold; a held one is
+    assert flat.count[1][budgets.index(64)] == 1 and flat.seconds(8, 64) == pytest.approx(0.02)
+    every = BudgetController(ControlConfig(budgets=budgets), flat, max_slots=8)  # no hold:
+    every.record_step(8, 64, 0.02, drafted=True, forecast=True)  # every step forecasts
+    assert flat.count[1][budgets.index(64)] == 2
     assert forecast_step() == 64  # the hold is over: forecast again
     ctl.reset(torch.tensor([3]))  # a request arrived: the next drafted step forecasts
     assert forecast_step() == 64

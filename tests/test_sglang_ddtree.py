@@ -438,8 +438,9 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int]) -> None:
     # every decode step commits its accepted drafts plus one; the last may overshoot the cap
     drafted = reply["meta_info"]["completion_tokens"] - 1 - verify_ct
     assert delta["accepted_tokens_total"] <= drafted + 7  # the block's depth
-    assert 0 < delta["verified_requests_total"] <= steps
-    assert delta["predicted_accept_tokens_total"] > 0
+    # (a plain run's probes may all fall outside one short request: then no forecast at all)
+    assert 0 <= delta["verified_requests_total"] <= steps
+    assert (delta["predicted_accept_tokens_total"] > 0) == (delta["verified_requests_total"] > 0)
     # step times are periods from one decode step's start to the next: the last step's period
     # ends at the next prefill and is not one
     assert 0 < delta["timed_steps_total"] <= verify_ct - 1

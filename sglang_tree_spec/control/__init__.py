@@ -40,7 +40,7 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     if fc is not None:
         ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
     ... the step's own end-of-step sync (committing tokens) ...
-    ctl.record_step(bs, n, time.perf_counter() - t0, drafted)   # host
+    ctl.record_step(bs, n, time.perf_counter() - t0, drafted, fc is not None)  # host
     ctl.stats()                                          # every K steps, for logs / metrics
 
 Fixed mode (``ControlConfig(fixed_budget=N)``) goes through the same calls, returns N from

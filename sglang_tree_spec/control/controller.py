@@ -394,10 +394,18 @@ class BudgetController:
         self._request_steps += accept.numel()
         cal.update(forecast.rows, mass, depth_cal, accept)
 
-    def record_step(self, bs: int, budget: int, seconds: float, drafted: bool = True) -> None:
+    def record_step(
+        self, bs: int, budget: int, seconds: float, drafted: bool = True, forecast: bool = False
+    ) -> None:
         """Host: a measured step time. A drafted step verified at budget 0 is not a plain
-        decode step (it paid the drafter) and is not recorded."""
+        decode step (it paid the drafter) and is not recorded; nor, while choices hold
+        (``hold_steps > 1``), is a step that forecast: its extra cost (the ranking and a tree
+        one candidate larger) does not depend on the budget it chooses, and recorded it would
+        raise the cell of whichever budget is being held above the cells measured by held and
+        exploration steps, pushing the choice off the budget that pays."""
         if self.latency is None or (budget == 0 and drafted):
+            return
+        if forecast and self.config.hold_steps > 1:
             return
         if self.latency.record(bs, budget, seconds):
             bucket = bucket_of(self.latency.bs_buckets, bs)

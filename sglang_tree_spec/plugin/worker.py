@@ -144,7 +144,7 @@ def _define_worker() -> type:
             self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
-            self._open_step: tuple[int, int, bool, float] | None = None  # see _time_steps
+            self._open_step: tuple[int, int, bool, bool, float] | None = None  # _time_steps
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
@@ -339,7 +339,7 @@ def _define_worker() -> type:
                 time_step=False,  # timed by _time_steps
             )
             drafted = result.topk_logprobs is not None
-            self._open_step = (len(batch.reqs), result.budget, drafted, start)
+            self._open_step = (len(batch.reqs), result.budget, drafted, result.forecast, start)
             self._log_budgets(len(batch.reqs))
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
@@ -376,8 +376,8 @@ def _define_worker() -> type:
             read of each step's tokens bounds it. Returns this step's start."""
             now = time.perf_counter()
             if self._open_step is not None:
-                bs, budget, drafted, start = self._open_step
-                self.controller.record_step(bs, budget, now - start, drafted)
+                bs, budget, drafted, forecast, start = self._open_step
+                self.controller.record_step(bs, budget, now - start, drafted, forecast)
             return now
 
         def _log_budgets(self, bs: int) -> None:
