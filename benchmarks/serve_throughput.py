@@ -51,6 +51,7 @@ from tqdm import tqdm
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.server_process import (
     ddtree_metrics,
+    exit_on_sigterm,
     free_port,
     launch,
     stop,
@@ -478,4 +479,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops its servers too
     main()

@@ -56,7 +56,14 @@ from serve_throughput import server_command as throughput_server_command
 from tqdm import tqdm
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
-from sglang_tree_spec.server_process import free_port, http_json, launch, stop, wait_until_healthy
+from sglang_tree_spec.server_process import (
+    exit_on_sigterm,
+    free_port,
+    http_json,
+    launch,
+    stop,
+    wait_until_healthy,
+)
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "soak_cpu.json"
 KINDS = {"greedy": 0.35, "stop": 0.15, "penalty": 0.25, "seeded": 0.25}
@@ -640,4 +647,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops its servers too
     main()

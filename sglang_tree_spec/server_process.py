@@ -94,6 +94,17 @@ def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
         )
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) raise ``SystemExit`` in the main thread, so that the
+    ``finally`` blocks that :func:`stop` the servers run: each server is its own process group
+    and would otherwise outlive the benchmark that started it, keeping a core busy."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def stop(process: subprocess.Popen) -> None:
     """Terminate the server's process group (launcher, scheduler, detokenizer)."""
     if process.poll() is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,3 +58,41 @@ def test_a_server_that_cannot_bind_fails_at_once(tmp_path: Path) -> None:
             assert time.monotonic() - started < 30
         finally:
             stop(process)
+
+
+def test_a_benchmark_killed_with_sigterm_stops_its_servers(tmp_path: Path) -> None:
+    """``kill`` / ``timeout`` on a benchmark: with :func:`exit_on_sigterm` its ``finally``
+    stops the server's process group (a ``sleep`` here), which would otherwise outlive it."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from sglang_tree_spec.server_process import exit_on_sigterm, launch, stop\n"
+        "if sys.argv[1] == 'handled':\n"
+        "    exit_on_sigterm()\n"
+        "server = launch(['sleep', '300'], Path(sys.argv[2]), plugins='')\n"
+        "try:\n"
+        "    print(server.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    stop(server)\n"
+    )
+
+    def server_left_running(mode: str) -> bool:
+        bench = subprocess.Popen(
+            [sys.executable, "-c", script, mode, str(tmp_path / f"{mode}.log")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        server = int(bench.stdout.readline())
+        bench.terminate()
+        bench.wait(timeout=30)
+        time.sleep(0.5)
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            return False
+        os.killpg(server, signal.SIGKILL)  # the unhandled case: clean up after the check
+        return True
+
+    assert not server_left_running("handled")
+    assert server_left_running("default")  # what the handler is for
