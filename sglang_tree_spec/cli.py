@@ -137,8 +137,8 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
         "--budget",
         type=_budget,
         default="64",
-        help="DDTree node budget, or 'auto': chosen every step from the predicted accepted "
-        "tokens per second, up to --max-budget",
+        help="DDTree node budget, or 'auto': chosen from the predicted accepted tokens per "
+        "second (held a few steps of the same batch), up to --max-budget",
     )
     gen.add_argument("--max-budget", type=int, default=64, help="the largest budget of auto")
     gen.add_argument("--topk", type=int, default=None, help="tokens per drafted position")

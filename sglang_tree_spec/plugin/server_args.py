@@ -58,11 +58,11 @@ TABLE_PARTITIONS_HELP = (
 
 
 BUDGET_HELP = (
-    "DDTREE only. 'auto' (default): every decode step the tree budget of the whole batch is "
-    "chosen from the predicted accepted tokens per second (a surrogate read from the tree, "
-    "calibrated on acceptance history, over a latency model profiled on this device), among "
-    "the candidates up to --speculative-num-draft-tokens minus one; 0 is a plain decode step. "
-    "A number: that budget every step."
+    "DDTREE only. 'auto' (default): the tree budget of the whole batch is chosen from the "
+    "predicted accepted tokens per second (a surrogate read from the tree, calibrated on "
+    "acceptance history, over a latency model profiled on this device), among the candidates "
+    "up to --speculative-num-draft-tokens minus one, and held for a few decode steps of the "
+    "same batch; 0 is a plain decode step. A number: that budget every step."
 )
 
 CANDIDATES_HELP = (
