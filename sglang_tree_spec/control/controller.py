@@ -77,7 +77,8 @@ class ControlConfig:
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
-    explore_every: after the profile, every this many drafted steps re-measure the budget
+    explore_every: after the profile, every this many unheld drafted steps (forecast and
+        exploration steps; no forecast on an exploration step) re-measure the budget
         whose cell in this batch-size bucket was measured longest ago (0: never), so a cell
         measured once under a burst of load is not avoided for ever; when that is budget 0,
         the step before the exploration step is a plain one (no draft), and the exploration
@@ -274,11 +275,11 @@ class BudgetController:
         profiled = self._to_profile(bs)
         if profiled is not None:  # > 0: should_draft takes budget 0's profile steps plain
             return self._count(profiled)
-        hold = self._hold
         if not self._plain and self._explores_next():
             self._drafted_steps += 1
             self._hold = None
             return self._count(self._stalest(bs, [b for b in self.config.budgets if b > 0]))
+        hold = self._hold
         if hold is None or hold[1] != bs or self._arrivals:
             self._hold = None
             return None
