@@ -628,3 +628,24 @@ def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
         useless.record_step(1, budget, 0.01 * (budget + 1), drafted)
         probes.append(budget)
     assert set(probes) == {0, 4}  # probes forecast (and verify at 4): no exploration
+
+
+def test_a_larger_budget_must_beat_the_best_smaller_one_by_the_tie_margin():
+    """Neighbouring budgets' predicted rates are often closer than the latency model's error:
+    auto takes a larger budget only for a clear gain (``step.TIE_RTOL``), never for a close
+    call, and a clear gain two candidates up still wins over a close call one up."""
+    from sglang_tree_spec.config import TreeConfig
+    from sglang_tree_spec.control import best_budget
+    from sglang_tree_spec.step import TIE_RTOL, make_controller
+
+    budgets = (0, 4, 8, 16)
+    seconds = [1.0, 1.0, 1.0, 1.0]
+    # committed/seconds: 8 is 2% above 4, 16 is 5% above 4.
+    close, clear = [1.0, 2.0, 2.04, 1.0], [1.0, 2.0, 2.04, 2.1]
+    flat = LatencyModel([seconds], budgets, bs_buckets=(1,))
+    auto = make_controller(TreeConfig(budget=16, auto=True), 15, 8, "cpu", flat).config
+    assert auto.tie_rtol == TIE_RTOL == 0.03
+    assert best_budget(close, seconds, budgets, tie_rtol=auto.tie_rtol) == 4
+    assert best_budget(close, seconds, budgets) == 8  # exact argmax without the margin
+    assert best_budget(clear, seconds, budgets, tie_rtol=auto.tie_rtol) == 16
+    assert best_budget(clear, seconds, budgets, max_budget=8, tie_rtol=auto.tie_rtol) == 4
