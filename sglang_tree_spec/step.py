@@ -6,6 +6,9 @@ operations that touch their models and caches, and call :func:`decode_step`:
 
     draft top-K -> choose budget -> select tree -> layout -> verify -> accept -> learn -> keep
 
+A step that does not draft (budget 0) runs ``PLAIN_FORWARDS`` plain target forwards instead, one
+token a request each, reported as the one-node chain they amount to.
+
 Sizes: ``bs`` requests, ``L`` drafted depths (the drafter's block - 1, at most the largest
 budget), ``K`` top-K per depth, ``B`` tree budget, ``W = B + 1`` verify-window slots (the root,
 i.e. the last bonus token, is slot 0), ``P = min(L, B) + 1`` slots of the longest path, ``V``
@@ -27,6 +30,7 @@ from sglang_tree_spec.tree import (
     AcceptResult,
     DraftTree,
     VerifyLayout,
+    build_chain,
     build_ddtree,
     build_verify_layout,
     counter_uniforms,
@@ -50,6 +54,12 @@ HOLD_STEPS = 4
 # without it auto leant one candidate too large (small pair, 12 waves: 0.96x / 0.94x the best
 # fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x).
 TIE_RTOL = 0.03
+# Target forwards of a plain step (budget 0), each committing one token a request: the
+# scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
+# is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
+# plain step takes per forward. SGLang reserves 2 x (budget + 1) >= 4 KV slots per request and
+# step, so two forwards always fit.
+PLAIN_FORWARDS = 2
 
 
 class StepBackend(Protocol):
@@ -150,6 +160,8 @@ class StepResult:
         budget: the step's budget (0: a plain step).
         forecast: the budget was chosen by a forecast this step (auto, not held).
         logits: ``[bs, W, V]`` the verify logits the acceptance read (log-probs come from them).
+        forwards: target forwards the step ran: 1 when drafted; a plain step's forwards, each
+            committing one token a request (``accept`` then reports them as an accepted chain).
     """
 
     tree: DraftTree
@@ -160,6 +172,7 @@ class StepResult:
     budget: int
     forecast: bool
     logits: torch.Tensor
+    forwards: int
 
 
 def decode_step(
@@ -174,6 +187,7 @@ def decode_step(
     timer: PhaseTimer,
     generator: torch.Generator | None = None,
     time_step: bool = True,
+    plain_forwards: int | None = None,
 ) -> StepResult:
     """Draft, choose the budget, select, verify, accept and keep one step for ``bs`` requests.
 
@@ -193,6 +207,9 @@ def decode_step(
             when the caller measures the step itself (the SGLang worker times the period from
             one decode step to the next: the scheduler's own per-step work included, and no
             device sync of its own).
+        plain_forwards: target forwards of a step that does not draft (None:
+            ``PLAIN_FORWARDS``; 1 when a later forward's logit processing would need the tokens
+            of the earlier ones, e.g. penalties read from the host requests).
     """
     bs = bonus.shape[0]
     start = time.perf_counter()
@@ -212,37 +229,79 @@ def decode_step(
         else:
             budget = held
             tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
+        accept, logits = _verify(
+            backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
+        )
+        if forecast is not None:
+            controller.observe(forecast, budget, accept.accept_len)
+        forwards = 1
     else:
         controller.choose(None, bs)
-        tree = empty_tree(bs, bonus.device)
-    layout = build_verify_layout(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
-    timer.mark("tree")
-    logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
-    timer.mark("verify")
-    accept = sampling.accept(tree, logits, prefix_lens, generator)
-    if selector is not None:  # a plain step too: Graft's table learns the root's successors
-        selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
-    if forecast is not None:
-        controller.observe(forecast, budget, accept.accept_len)
-    path_width = min(tree.max_depth, tree.budget) + 1  # P
-    commit_lens = accept.accept_len + 1  # [bs]
-    timer.mark("accept")
-    backend.keep(accept.accepted_slots[:, :path_width], commit_lens)
-    timer.mark("commit")
+        forwards = PLAIN_FORWARDS if plain_forwards is None else plain_forwards
+        tree, accept, logits = _plain(
+            backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer
+        )
     timer.end_step(bs)
-    if time_step:
+    if time_step:  # budget 0's cell: the time per forward
         elapsed = time.perf_counter() - start
-        controller.record_step(bs, budget, elapsed, drafted, forecast is not None)
+        controller.record_step(bs, budget, elapsed / forwards, drafted, forecast is not None)
+    path_width = min(tree.max_depth, tree.budget) + 1  # P
     return StepResult(
         tree,
         accept,
-        commit_lens,
+        accept.accept_len + 1,
         accept.committed_tokens[:, :path_width],
         topk_logprobs,
         budget,
         forecast is not None,
         logits,
+        forwards,
     )
+
+
+def _verify(backend, selector, sampling, tree, bonus, prefix_lens, generator, timer):
+    """Verify ``tree`` in one target forward, accept with the target's rule, let the selector
+    learn and keep the accepted path: ``(AcceptResult, [bs, W, V] logits)``."""
+    layout = build_verify_layout(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
+    timer.mark("tree")
+    logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
+    timer.mark("verify")
+    accept = sampling.accept(tree, logits, prefix_lens, generator)
+    if selector is not None:  # a plain forward too: Graft's table learns the root's successors
+        selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
+    timer.mark("accept")
+    path_width = min(tree.max_depth, tree.budget) + 1  # P
+    backend.keep(accept.accepted_slots[:, :path_width], accept.accept_len + 1)
+    timer.mark("commit")
+    return accept, logits
+
+
+def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer):
+    """``forwards`` plain target forwards (the root alone, one token a request each), reported
+    as the step that verified the chain of their tokens: ``(tree [bs, forwards - 1], accept,
+    logits [bs, forwards, V])`` with every node accepted. The same tokens as ``forwards``
+    one-forward steps: forward ``i`` reads position ``prefix + i``'s coin."""
+    bs = bonus.shape[0]
+    empty = empty_tree(bs, bonus.device)
+    tokens, logits = [bonus], []
+    for i in range(forwards):
+        accept, forward_logits = _verify(
+            backend, selector, sampling, empty, tokens[-1], prefix_lens + i, generator, timer
+        )
+        tokens.append(accept.bonus)
+        logits.append(forward_logits)
+    if forwards == 1:
+        return empty, accept, logits[0]
+    committed = torch.stack(tokens[1:], dim=1)  # [bs, forwards]
+    draft = committed[:, :-1, None]  # [bs, forwards - 1, 1]
+    chain = build_chain(torch.zeros(draft.shape, device=draft.device), draft)
+    accept = AcceptResult(
+        accept_len=torch.full((bs,), forwards - 1, dtype=torch.long, device=bonus.device),
+        bonus=committed[:, -1],
+        accepted_slots=torch.arange(forwards, device=bonus.device).repeat(bs, 1),
+        committed_tokens=committed,
+    )
+    return chain, accept, torch.cat(logits, dim=1)
 
 
 def _largest_tree(selector, budget, topk_logprobs, topk_tokens, bonus) -> DraftTree:

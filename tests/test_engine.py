@@ -247,6 +247,31 @@ def test_auto_budget_changes_budgets_not_tokens():
     assert Counter(results[0].stats.budgets).most_common(1)[0][0] == 0
 
 
+def test_a_plain_step_of_several_forwards_commits_what_one_forward_steps_do(monkeypatch):
+    """A plain step runs ``step.PLAIN_FORWARDS`` target forwards, forward ``i`` at position
+    ``prefix + i`` with that position's coin: greedy tokens and seeded samples are those of
+    one forward a step whatever the number (a length limit inside a step cuts it), and each
+    forward counts as a decode step that accepted nothing."""
+    from sglang_tree_spec import step
+
+    target = tiny_target("qwen3", seed=5)
+    outputs = {}
+    for forwards in (1, 2, 3):
+        monkeypatch.setattr(step, "PLAIN_FORWARDS", forwards)
+        engine = SpecEngine(target, method="ar")
+        for label, kwargs in (("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 5})):
+            results = engine.generate(PROMPTS, 12, stop_token_ids=[], **kwargs)
+            outputs[forwards, label] = [r.tokens for r in results]
+            for r in results:  # 11 tokens after the prefill's: ceil(11 / forwards) steps
+                steps = -(-11 // forwards)
+                assert r.stats.commit_lengths[1:] == [forwards] * steps
+                assert r.stats.accept_hist == [forwards * steps] == [r.stats.steps]
+    for label in ("greedy", "seeded"):
+        assert outputs[2, label] == outputs[3, label] == outputs[1, label], label
+        assert all(len(tokens) == 12 for tokens in outputs[1, label])
+    assert outputs[1, "greedy"] != outputs[1, "seeded"]
+
+
 def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
     """A tree of ``B`` nodes is at most ``B`` deep: each step's draft top-K covers the first
     ``min(L, largest budget)`` depths only (the LM head is the drafter's largest matmul), and

@@ -447,6 +447,25 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int]) -> None:
     assert after["budget"] in (0, 4, 8, 16, 32)
 
 
+def test_plain_steps_of_two_forwards_equal_no_speculation(
+    pair, prompts, baseline, offline_target, tmp_path_factory
+):
+    """``--speculative-ddtree-budget 0``: every decode step is plain, ``step.PLAIN_FORWARDS``
+    (2) target forwards, the second at the batch's lengths + 1 in the KV slot after the
+    first's. Greedy equals no speculation one at a time and eight at once (31 tokens after
+    the prefill's: the last step's second token is cut at the length limit), stop tokens and
+    strings finish as one-token decoding does, and seeded sampling is the target alone."""
+    log = tmp_path_factory.mktemp("plain") / "server.log"
+    for server in running_server(server_command(pair, free_port(), 8, "0"), log):
+        assert server.greedy(prompts, 1) == baseline["sequential"]
+        assert server.greedy(prompts, 8) == baseline["sequential"]
+        assert stop_replies(server, baseline["stop_cases"]) == baseline["stops"]
+        for prompt in prompts[:2]:
+            served = server.generate(prompt, **FILTERED)["output_ids"]
+            expected = offline_sample(offline_target, prompt, served[0], len(served), FILTERED)
+            assert served == expected
+
+
 @pytest.mark.parametrize("graft", ["none", "unified"])
 def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     graft, pair, prompts, baseline, seeded_outputs, offline_target, tmp_path_factory

@@ -12,7 +12,8 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   estimators rescale the surrogate toward the observed accepted lengths.
 * Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, else a
   roofline prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
-* Budget 0 is a plain decode step (no drafter); once a step's forecast chooses 0 and the
+* Budget 0 is a plain decode step (no drafter; C(bs, 0) is per target forward, a step may run
+  several); once a step's forecast chooses 0 and the
   drafted steps' decayed average says drafting does not pay either, the steps skip drafting and
   re-draft to re-forecast after ``probe_every`` steps, the interval doubling (up to
   ``probe_max_every``) while that average still does not pay.

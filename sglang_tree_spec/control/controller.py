@@ -375,7 +375,7 @@ class BudgetController:
 
     def _drafting_pays(self) -> bool:
         """Host: the drafted steps' decayed committed tokens per request exceed their decayed
-        step time in plain steps (a plain step commits one token per request)."""
+        step time in plain forwards (a plain forward commits one token per request)."""
         tokens, plain_steps = self._drafted_gain
         return tokens > plain_steps
 
@@ -398,7 +398,8 @@ class BudgetController:
     def record_step(
         self, bs: int, budget: int, seconds: float, drafted: bool = True, forecast: bool = False
     ) -> None:
-        """Host: a measured step time. A drafted step verified at budget 0 is not a plain
+        """Host: a measured step time (budget 0: per target forward, the caller dividing a
+        plain step's time by its forwards). A drafted step verified at budget 0 is not a plain
         decode step (it paid the drafter) and is not recorded; nor, while choices hold
         (``hold_steps > 1``), is a step that forecast: its extra cost (the ranking and a tree
         one candidate larger) does not depend on the budget it chooses, and recorded it would

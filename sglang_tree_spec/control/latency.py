@@ -2,7 +2,8 @@
 
 C(bs, N) is the wall time of one whole decode step of a batch of ``bs`` requests at budget N:
 for N > 0 the drafter forward, the tree and a target forward over bs * (N + 1) tokens; for
-N = 0 a plain decode step (no drafter, bs tokens).
+N = 0 one plain target forward (no drafter, bs tokens): a plain step runs several
+(``step.PLAIN_FORWARDS``), one token a request each, and is recorded per forward.
 
 Prior (BASTION appendix F, simplified to the dominant terms), per forward of ``tokens`` tokens of
 ``bs`` requests at context ``c``:

@@ -343,7 +343,11 @@ class SpecEngine:
         lens = result.commit_lens.tolist()
         rows_out = result.committed_tokens.tolist()
         for row, request in enumerate(batch.ids):
-            stats[request].record(lens[row] - 1)
+            if result.forwards > 1:  # a plain step: each forward committed one token
+                for _ in range(result.forwards):
+                    stats[request].record(0)
+            else:
+                stats[request].record(lens[row] - 1)
             stats[request].budgets.append(result.budget)
             for phase, seconds in self.timer.last_step.items():
                 stats[request].seconds[phase] += seconds

@@ -56,6 +56,7 @@ class SGLangBackend:
         self.can_run_cuda_graph = False
         self._window_locs: torch.Tensor | None = None  # [bs, W] KV slots of the window
         self._window_pos: torch.Tensor | None = None  # [bs, W] their positions
+        self._verified = 0  # verifies so far: a plain step's forward i caches i more tokens
         # The batch's penalty state for a vocabulary size (None: no request is penalised).
         self.penalties: Callable[[int, torch.device], TreePenalties | None] | None = None
 
@@ -148,15 +149,19 @@ class SGLangBackend:
 
     def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
         """One target forward over every request's ``W`` window slots with the tree mask;
-        ``[bs, W, V]`` logits after SGLang's verify logit adjustments."""
+        ``[bs, W, V]`` logits after SGLang's verify logit adjustments. A plain step's forward
+        ``i`` (``i`` earlier forwards of this step, one token each) runs at ``prefix_lens`` =
+        the batch's lengths + ``i``."""
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
         from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
         batch, worker = self.batch, self.worker
         bs, window = layout.tokens.shape
+        earlier, self._verified = self._verified, self._verified + 1
         window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
-        mask_size = window * int((self.host_prefix_lens + window).sum())  # FULL_MASK entries
+        host_lens = self.host_prefix_lens + earlier  # [bs] cached tokens, on the host
+        mask_size = window * int((host_lens + window).sum())  # FULL_MASK entries
         if window == 1:  # a plain step: the root sees its prefix and itself
             mask = torch.ones(mask_size, dtype=torch.bool, device=prefix_lens.device)
         else:
@@ -170,12 +175,22 @@ class SGLangBackend:
             capture_hidden_mode=self._capture_full,
         )
         batch.out_cache_loc = self._window_locs.reshape(-1)
-        seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+        seq_lens, seq_lens_cpu, seq_lens_sum = (
+            batch.seq_lens,
+            batch.seq_lens_cpu,
+            batch.seq_lens_sum,
+        )
+        if earlier:
+            batch.seq_lens = prefix_lens.to(seq_lens.dtype)
         if seq_lens_cpu is not None:
-            batch.seq_lens_cpu = seq_lens_cpu + window
+            batch.seq_lens_cpu = seq_lens_cpu + earlier + window
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+        batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = (
+            seq_lens,
+            seq_lens_cpu,
+            seq_lens_sum,
+        )
         graphs = worker.verify_graphs  # CPU closure replay (tests); on CUDA SGLang's runner
         if graphs is not None and graphs.can_run_graph(forward_batch):
             self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True

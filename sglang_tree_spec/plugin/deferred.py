@@ -66,7 +66,7 @@ class DeferredContext:
         prefix_lens: torch.Tensor,
         hidden: torch.Tensor,
     ) -> None:
-        """A plain step's committed tokens: ``hidden [bs, Hc]`` at positions ``prefix_lens
+        """A plain forward's committed tokens: ``hidden [bs, Hc]`` at positions ``prefix_lens
         [bs]`` of ``rows`` (host list and ``[bs]`` device copy). The caller empties full rows
         first (:meth:`is_full`)."""
         if self.hidden is None:

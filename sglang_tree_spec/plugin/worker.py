@@ -144,7 +144,7 @@ def _define_worker() -> type:
             self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
-            self._open_step: tuple[int, int, bool, bool, float] | None = None  # _time_steps
+            self._open_step: tuple[int, int, bool, bool, int, float] | None = None  # _time_steps
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
@@ -319,7 +319,9 @@ def _define_worker() -> type:
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
             rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
+            plain_forwards = None  # step.PLAIN_FORWARDS
             if any(penalised(req.sampling_params) for req in batch.reqs):
+                plain_forwards = 1  # the host requests' penalty state lacks forward 1's token
                 # req.output_ids lacks the previous step's tokens under overlap: the device
                 # keeps them (RecentOutputs).
                 recent = self.recent if self.overlap else None
@@ -337,10 +339,12 @@ def _define_worker() -> type:
                 timer=self._timer,
                 generator=self._generator,
                 time_step=False,  # timed by _time_steps
+                plain_forwards=plain_forwards,
             )
             drafted = result.topk_logprobs is not None
-            self._open_step = (len(batch.reqs), result.budget, drafted, result.forecast, start)
-            self._log_budgets(len(batch.reqs))
+            bs = len(batch.reqs)
+            self._open_step = (bs, result.budget, drafted, result.forecast, result.forwards, start)
+            self._log_budgets(bs)
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
                 on_publish(new_seq_lens)
@@ -375,9 +379,9 @@ def _define_worker() -> type:
             step alone would leave out), and it needs no device sync: the scheduler's own
             read of each step's tokens bounds it. Returns this step's start."""
             now = time.perf_counter()
-            if self._open_step is not None:
-                bs, budget, drafted, forecast, start = self._open_step
-                self.controller.record_step(bs, budget, now - start, drafted, forecast)
+            if self._open_step is not None:  # budget 0's cell: the time per forward
+                bs, budget, drafted, forecast, forwards, start = self._open_step
+                self.controller.record_step(bs, budget, (now - start) / forwards, drafted, forecast)
             return now
 
         def _log_budgets(self, bs: int) -> None:
