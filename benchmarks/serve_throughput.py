@@ -6,8 +6,9 @@ each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up
 ``--repeats`` waves of the same held-out prompts (greedy, fixed output length, streamed),
 interleaved across configurations (:func:`measure`).
 Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
-tau (tokens per decode step, bonus included; a DDTREE plain step commits two), time to first token and the gaps between streamed
-chunks (p50 / p99, as ``sglang.bench_serving`` measures them), and for DDTREE
+tau (tokens per decode step, bonus included; a DDTREE plain step commits two), time to first
+token and the gaps between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures
+them), and for DDTREE
 the round's window of the server's ``sglang:ddtree_*`` metrics: the budgets chosen, the
 calibrated predicted vs observed accept length, and the latency model's step-time error.
 Ratios are against ``none`` measured in the same run; every configuration's greedy outputs are
