@@ -279,8 +279,7 @@ def measure(
                     results[config].append(summarise(c, waves[config], control))
         return results
     finally:
-        for process, _ in servers.values():
-            stop(process)
+        stop(*(process for process, _ in servers.values()))
 
 
 def table_rows(results: dict[str, list]) -> list[dict]:

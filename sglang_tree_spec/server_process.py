@@ -11,9 +11,12 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 START_TIMEOUT_S = 360.0
@@ -105,8 +108,37 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def stop(process: subprocess.Popen) -> None:
-    """Terminate the server's process group (launcher, scheduler, detokenizer)."""
+def stop(*processes: subprocess.Popen) -> None:
+    """Terminate each server's process group (launcher, scheduler, detokenizer). A SIGINT or
+    SIGTERM arriving meanwhile (in the main thread) takes effect once every group is stopped:
+    a second Ctrl-C or ``kill`` during a benchmark's clean-up would otherwise leave the servers
+    not yet stopped running."""
+    with _signals_held():
+        for process in processes:
+            _stop_group(process)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the block; deliver them, in order, after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread receives signals and may set handlers
+        return
+    held: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in signals
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in held:
+            signal.raise_signal(signum)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:

@@ -96,3 +96,44 @@ def test_a_benchmark_killed_with_sigterm_stops_its_servers(tmp_path: Path) -> No
 
     assert not server_left_running("handled")
     assert server_left_running("default")  # what the handler is for
+
+
+def test_a_second_signal_during_the_clean_up_still_stops_every_server(tmp_path: Path) -> None:
+    """A second Ctrl-C or ``kill`` while a benchmark's ``finally`` stops its servers (each
+    taking a while to exit) takes effect after :func:`stop` has stopped them all."""
+    slow_exit = "trap 'sleep 2; exit 0' TERM; while :; do sleep 0.1; done"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from sglang_tree_spec.server_process import exit_on_sigterm, launch, stop\n"
+        "exit_on_sigterm()\n"
+        f"servers = [launch(['sh', '-c', {slow_exit!r}], Path(sys.argv[1]), plugins='')\n"
+        "           for _ in range(2)]\n"
+        "try:\n"
+        "    print(*(s.pid for s in servers), flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    print('stopping', flush=True)\n"
+        "    stop(*servers)\n"
+    )
+    bench = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = [int(pid) for pid in bench.stdout.readline().split()]
+    time.sleep(0.5)  # the shells have set their traps
+    bench.terminate()
+    assert bench.stdout.readline().strip() == "stopping"
+    time.sleep(0.5)  # inside stop: the first server is taking its 2 s to exit
+    bench.terminate()
+    assert bench.wait(timeout=30) != 0
+    left = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            left.append(pid)
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left
