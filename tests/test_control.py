@@ -649,3 +649,16 @@ def test_a_larger_budget_must_beat_the_best_smaller_one_by_the_tie_margin():
     assert best_budget(close, seconds, budgets) == 8  # exact argmax without the margin
     assert best_budget(clear, seconds, budgets, tie_rtol=auto.tie_rtol) == 16
     assert best_budget(clear, seconds, budgets, max_budget=8, tie_rtol=auto.tie_rtol) == 4
+
+
+def test_the_log_line_shows_each_cells_time_and_measured_steps():
+    """``latency_line``: C(bs, N) in ms and how many steps its cell has measured (a cell of
+    few steps is the first suspect when auto avoids a budget)."""
+    budgets = (0, 4, 8)
+    model = LatencyModel([[0.01, 0.02, 0.03]], budgets, bs_buckets=(1,))
+    ctl = BudgetController(ControlConfig(budgets=budgets), model, max_slots=4)
+    for _ in range(2):
+        ctl.record_step(1, 4, 0.025)
+    plain, four, eight = ctl.latency_line(1).split()
+    assert four == "4:25.0/2"
+    assert plain == "0:12.5/0" and eight == "8:37.5/0"  # the prior, scaled by 25 / 20

@@ -414,10 +414,13 @@ class BudgetController:
             self._measured_at.setdefault(bucket, {})[budget] = self._drafted_steps
 
     def latency_line(self, bs: int) -> str:
-        """Host: the latency model's C(bs, N) per candidate, ``"0:6.1 4:7.0 ..."`` in ms
-        (a measured cell's median, else the calibrated prior), for the log."""
+        """Host: the latency model's C(bs, N) per candidate in ms and the steps measured in its
+        cell, ``"0:6.1/12 4:7.0/80 ..."`` (a measured cell's median, else the calibrated prior),
+        for the log."""
         row = self.latency.row(bs)
-        return " ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(self.config.budgets, row, strict=True))
+        counts = self.latency.count[bucket_of(self.latency.bs_buckets, bs)]
+        cells = zip(self.config.budgets, row, counts, strict=True)
+        return " ".join(f"{b}:{1e3 * s:.1f}/{n}" for b, s, n in cells)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Sync-free: slots ``rows`` (``[n]`` int64) start a new request's history."""
