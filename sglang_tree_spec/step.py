@@ -242,9 +242,9 @@ def decode_step(
             backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer
         )
     timer.end_step(bs)
-    if time_step:  # budget 0's cell: the time per forward
+    if time_step:
         elapsed = time.perf_counter() - start
-        controller.record_step(bs, budget, elapsed / forwards, drafted, forecast is not None)
+        controller.record_step(bs, budget, elapsed, drafted, forecast is not None, forwards)
     path_width = min(tree.max_depth, tree.budget) + 1  # P
     return StepResult(
         tree,

@@ -396,10 +396,16 @@ class BudgetController:
         cal.update(forecast.rows, mass, depth_cal, accept)
 
     def record_step(
-        self, bs: int, budget: int, seconds: float, drafted: bool = True, forecast: bool = False
+        self,
+        bs: int,
+        budget: int,
+        seconds: float,
+        drafted: bool = True,
+        forecast: bool = False,
+        forwards: int = 1,
     ) -> None:
-        """Host: a measured step time (budget 0: per target forward, the caller dividing a
-        plain step's time by its forwards). A drafted step verified at budget 0 is not a plain
+        """Host: a measured step time of ``forwards`` target forwards (budget 0's cell is per
+        forward: a plain step may run several). A drafted step verified at budget 0 is not a plain
         decode step (it paid the drafter) and is not recorded; nor, while choices hold
         (``hold_steps > 1``), is a step that forecast: its extra cost (the ranking and a tree
         one candidate larger) does not depend on the budget it chooses, and recorded it would
@@ -409,7 +415,7 @@ class BudgetController:
             return
         if forecast and self.config.hold_steps > 1:
             return
-        if self.latency.record(bs, budget, seconds):
+        if self.latency.record(bs, budget, seconds / forwards):
             bucket = bucket_of(self.latency.bs_buckets, bs)
             self._measured_at.setdefault(bucket, {})[budget] = self._drafted_steps
 

@@ -379,9 +379,9 @@ def _define_worker() -> type:
             step alone would leave out), and it needs no device sync: the scheduler's own
             read of each step's tokens bounds it. Returns this step's start."""
             now = time.perf_counter()
-            if self._open_step is not None:  # budget 0's cell: the time per forward
+            if self._open_step is not None:
                 bs, budget, drafted, forecast, forwards, start = self._open_step
-                self.controller.record_step(bs, budget, (now - start) / forwards, drafted, forecast)
+                self.controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
             return now
 
         def _log_budgets(self, bs: int) -> None:
