@@ -46,8 +46,15 @@ from sglang_tree_spec.tree.select import (
 
 # Auto: drafted steps a forecast's choice holds for (ControlConfig.hold_steps). A forecast step
 # costs ~20 small tensor ops more than a fixed-budget step (rank, calibrate, choose, cut the
-# tree, update the calibration) and builds a tree one candidate larger than it verifies.
-HOLD_STEPS = 4
+# tree, update the calibration) and builds a tree one candidate larger than it verifies: on CPU
+# through SGLang, +0.7-1.0 ms on a 12.7 ms step at batch size 2. On a simulated clock
+# (benchmarks/results/budget_sim_cpu_small_pair.md) auto reached 0.98 / 0.98 / 0.99 / 1.03x the
+# best fixed budget at batch sizes 1 / 2 / 4 / 8 holding 8, 0.97 / 0.97 / 0.97 / 1.01x holding 4.
+HOLD_STEPS = 8
+# Auto: plain steps after a forecast that prefers them while drafting pays on average
+# (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
+# 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8.
+HARD_PLAIN_STEPS = 1
 # Auto: a larger budget is chosen only when its predicted accepted tokens per second beat the
 # best smaller one's by this margin (ControlConfig.tie_rtol). Neighbouring budgets' predicted
 # rates are often within a few percent, closer than the latency model's error (~5-10% on CPU);
@@ -334,7 +341,8 @@ def make_controller(
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
     every batch-size bucket, each cell the minimum of 3 steps; every 32nd forecast step then
     re-measures the stalest budget; a choice holds for ``HOLD_STEPS`` drafted steps; a larger
-    budget must beat the best smaller one by ``TIE_RTOL``)."""
+    budget must beat the best smaller one by ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps
+    follow a forecast that prefers them while drafting pays on average)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
@@ -345,6 +353,7 @@ def make_controller(
         explore_every=32,
         hold_steps=HOLD_STEPS,
         tie_rtol=TIE_RTOL,
+        hard_plain_steps=HARD_PLAIN_STEPS,
     )
     return BudgetController(auto, latency, max_slots, device)
 

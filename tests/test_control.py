@@ -346,6 +346,38 @@ def test_an_uncertain_step_amid_paying_drafts_does_not_start_a_plain_run():
     assert 2 <= steps <= 80  # the average fell below a plain step's rate: a plain run
 
 
+def test_a_hard_step_amid_paying_drafts_takes_hard_plain_steps_then_forecasts_again():
+    """With ``hard_plain_steps``, a forecast that prefers plain steps while drafting pays on
+    average is followed by exactly that many plain steps and a probe; a probe that prefers
+    drafting drafts on, one that still prefers plain steps takes the same short run again. A
+    drafter that does not pay on average still gets a plain run probed at growing intervals."""
+
+    def trace_of(forecasts, **kwargs):
+        ctl = roofline_controller(probe_every=4, probe_max_every=64, **kwargs)
+        useless, strong = (strong_or_useless_tree(1, strong=s) for s in (False, True))
+        fcs = {
+            name: ctl.forecast(torch.arange(1), t.logprobs, t.depths, t.valid)
+            for name, t in (("plain", useless), ("strong", strong))
+        }
+        trace = []
+        for name in forecasts:
+            while not ctl.should_draft(1):
+                trace.append(ctl.choose(None, 1))
+            trace.append(ctl.choose(fcs[name], 1))
+        return trace
+
+    paying = ["strong", "strong", "plain"] * 4 + ["strong", "plain", "plain", "strong"]
+    trace = trace_of(paying, hard_plain_steps=1)
+    assert [b == 0 for b in trace] == (
+        [False, False, False, True] * 4 + [False, False, True, False, True, False]
+    )
+    assert trace_of(paying, hard_plain_steps=2).count(0) == 2 * 6
+    assert 0 not in trace_of(paying)  # hard_plain_steps = 0: drafting goes on
+    useless = trace_of(["strong"] + ["plain"] * 30, hard_plain_steps=1)
+    plain_runs = "".join("p" if b == 0 else "d" for b in useless).split("d")
+    assert max(map(len, plain_runs)) >= 8  # not paying on average: probes at growing intervals
+
+
 def test_one_lucky_probe_does_not_restart_a_useless_drafter():
     """A probe whose own forecast pays (one likely token) but leaves the drafted steps'
     average below a plain step's rate verifies its tree and keeps the plain run; a strong
@@ -445,8 +477,9 @@ def test_the_tree_built_reaches_one_candidate_above_the_last_choice():
 
 def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     """A forecast's budget > 0 serves the next ``hold_steps - 1`` drafted steps of the same
-    batch without a forecast (counted as their choices); a request arriving or a batch-size
-    change ends the hold, a forecast that prefers plain steps starts none."""
+    batch without a forecast (counted as their choices); as many requests arriving as the
+    batch holds or a batch-size change ends the hold (one arrival of several does not), a
+    forecast that prefers plain steps starts none."""
     budgets = (0, 4, 8, 16, 32, 64)
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
     ctl = BudgetController(ControlConfig(budgets=budgets, hold_steps=3), flat, max_slots=8)
@@ -468,7 +501,9 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     every.record_step(8, 64, 0.02, drafted=True, forecast=True)  # every step forecasts
     assert flat.count[1][budgets.index(64)] == 2
     assert forecast_step() == 64  # the hold is over: forecast again
-    ctl.reset(torch.tensor([3]))  # a request arrived: the next drafted step forecasts
+    ctl.reset(torch.tensor([3]))  # one request of 8 arrived: the hold goes on
+    assert ctl.held_budget(8) == 64
+    ctl.reset(torch.arange(7))  # as many arrivals as the batch holds: a renewed batch
     assert forecast_step() == 64
     assert ctl.held_budget(4) is None  # another batch size: no hold either
     useless = strong_or_useless_tree(8, strong=False)
@@ -662,3 +697,17 @@ def test_the_log_line_shows_each_cells_time_and_measured_steps():
     plain, four, eight = ctl.latency_line(1).split()
     assert four == "4:25.0/2"
     assert plain == "0:12.5/0" and eight == "8:37.5/0"  # the prior, scaled by 25 / 20
+
+
+def test_a_plain_steps_time_is_recorded_per_forward():
+    """Budget 0's cell is per target forward: a plain step of two forwards records half its
+    time (so C(bs, 0) stays below every drafted cell and rate(0) = bs / C(bs, 0)); a drafted
+    step records its whole time."""
+    budgets = (0, 4, 8)
+    model = LatencyModel([[1.0, 2.0, 3.0]], budgets, bs_buckets=(1,))
+    ctl = BudgetController(ControlConfig(budgets=budgets), model, max_slots=1)
+    for _ in range(3):
+        ctl.record_step(1, 0, 0.012, drafted=False, forwards=2)
+        ctl.record_step(1, 8, 0.02)
+    assert model.seconds(1, 0) == pytest.approx(0.006)
+    assert model.seconds(1, 8) == pytest.approx(0.02)

@@ -73,7 +73,8 @@ class ControlConfig:
         a step's forecast prefers plain steps and those sums say a drafted step commits fewer
         tokens per second than a plain one; it ends at the probe after which they say it
         commits more. One uncertain step amid predictable text does not stop a drafter that
-        pays on the whole, nor does one lucky probe restart a drafter that does not.
+        pays on the whole (it takes ``hard_plain_steps`` plain steps at most), nor does one
+        lucky probe restart a drafter that does not.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
         bucket before trusting the model (the start-up profile, served in-line: a budget
         never changes a token, so the profile costs speed only, for a few steps).
@@ -86,9 +87,16 @@ class ControlConfig:
     hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the
         forecast step included) while the batch is the same: the steps after it draft and build
         at that budget alone, like a fixed budget (no forecast, no ranking, no calibration
-        update, a tree no larger than verified). 1: every drafted step forecasts. A request
-        arriving, a batch-size change, a probe, the profile and an exploration step end a hold.
+        update, a tree no larger than verified). 1: every drafted step forecasts. As many
+        requests arriving as the batch holds (a renewed batch), a batch-size change, a probe,
+        the profile and an exploration step end a hold; one request of several arriving does
+        not (at concurrency 2-8 one arrives every few steps, and forecast steps cost more than
+        held ones).
     tie_rtol: objectives within this relative margin of the best count as ties.
+    hard_plain_steps: a forecast that prefers plain steps while drafting pays on average (a
+        hard stretch of text, not a useless drafter) is followed by this many plain steps,
+        then a probe (0: none, drafting goes on). Hard text comes in stretches: the step after
+        one whose drafts do not pay tends not to pay either.
     calibration: the acceptance calibration's decays and priors.
     """
 
@@ -102,6 +110,7 @@ class ControlConfig:
     explore_every: int = 0
     hold_steps: int = 1
     tie_rtol: float = 1e-6
+    hard_plain_steps: int = 0
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     def __post_init__(self) -> None:
@@ -280,7 +289,7 @@ class BudgetController:
             self._hold = None
             return self._count(self._stalest(bs, [b for b in self.config.budgets if b > 0]))
         hold = self._hold
-        if hold is None or hold[1] != bs or self._arrivals:
+        if hold is None or hold[1] != bs or self._arrivals >= bs:
             self._hold = None
             return None
         budget, _, left = hold
@@ -328,10 +337,10 @@ class BudgetController:
         Auto with a forecast: ONE host read of the ``[C]`` batch totals sum_i (1 + A_i(N)),
         then the argmax of totals / C(bs, N) on the host. Candidates above the tree's size are
         skipped. When that argmax is 0 (plain steps pay more than drafting returns), this
-        step, whose draft is paid for, verifies at the best budget > 0, and, if drafting does
-        not pay on average either (``ControlConfig.plain_decay``), the following steps skip the
-        drafter until the next probe (at growing intervals while drafting still does not pay
-        on average). ``forecast=None`` (a step that did not
+        step, whose draft is paid for, verifies at the best budget > 0, and the following steps
+        skip the drafter until the next probe: after ``ControlConfig.hard_plain_steps`` when
+        drafting pays on average (``ControlConfig.plain_decay``), else at growing intervals
+        while drafting still does not pay on average. ``forecast=None`` (a step that did not
         draft): 0. Fixed mode: the fixed budget, no read.
         """
         if not self.auto:
@@ -357,7 +366,10 @@ class BudgetController:
             column = self.config.budgets.index(verified)
             self._add_drafted_gain(totals[column] / bs, seconds[column] / seconds[0])
         pays = self._drafting_pays()
-        if self._plain and pays:  # a probe: drafting pays again on average, the run ends
+        hard = self.config.hard_plain_steps
+        if best == 0 and pays and hard:  # a hard stretch amid paying drafts: plain, briefly
+            self._plain, self._probe_interval = True, hard + 1
+        elif self._plain and pays:  # a probe: drafting pays again on average, the run ends
             self._plain, self._probe_interval = False, self.config.probe_every
         elif self._plain:  # a probe after which drafting still does not pay: probe less often
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
