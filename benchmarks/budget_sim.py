@@ -26,6 +26,7 @@ step (budget 0: per forward).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -80,8 +81,10 @@ class ClockedController(BudgetController):
         self.plain_forwards += forwards if budget == 0 else 0
 
 
-def controller_for(policy: str, cells_s, forecast_s, after_plain_s, max_depth) -> BudgetController:
-    """The :class:`ClockedController` of a policy string (see the module docstring)."""
+def controller_for(policy: str, engine, cells_s, forecast_s, after_plain_s) -> BudgetController:
+    """The :class:`ClockedController` of a policy string (see the module docstring); auto is
+    ``step.make_controller``'s configuration for ``engine`` without its profile and
+    exploration (the cells are known), with the policy's overrides."""
     name, *options = policy.split(":")
     if name == "fixed":
         budget = int(options[0])
@@ -89,20 +92,18 @@ def controller_for(policy: str, cells_s, forecast_s, after_plain_s, max_depth) -
         return ClockedController(config, None, cells_s, forecast_s, after_plain_s)
     if name != "auto":
         raise SystemExit(f"budget_sim: unknown policy {policy!r} (fixed:N or auto[:k=v...])")
-    fields = {
-        "hold_steps": step.HOLD_STEPS,
-        "tie_rtol": step.TIE_RTOL,
-        "hard_plain_steps": step.HARD_PLAIN_STEPS,
-    }
+    fields = {"profile_steps": 0, "explore_every": 0}
     for option in options:
         key, _, value = option.partition("=")
         if key not in AUTO_KEYS:
             raise SystemExit(f"budget_sim: unknown auto option {key!r} (one of {list(AUTO_KEYS)})")
         field_name, kind = AUTO_KEYS[key]
         fields[field_name] = kind(value)
-    config = ControlConfig(budgets=BUDGETS, max_depth=max_depth, **fields)
     buckets = tuple(sorted(cells_s))
     latency = LatencyModel([list(cells_s[b]) for b in buckets], BUDGETS, bs_buckets=buckets)
+    max_depth = engine.drafter.block_size - 1
+    product = step.make_controller(engine.config, max_depth, MAX_REQUESTS, "cpu", latency)
+    config = dataclasses.replace(product.config, **fields)
     return ClockedController(config, latency, cells_s, forecast_s, after_plain_s)
 
 
@@ -125,8 +126,7 @@ class PolicyRun(NamedTuple):
 
 def simulate(engine, policy, prompts, batch_size, new_tokens, cells_s, forecast_s, after_plain_s):
     """Decode ``prompts`` ``batch_size`` at a time under ``policy``; a :class:`PolicyRun`."""
-    max_depth = engine.drafter.block_size - 1
-    engine.controller = controller_for(policy, cells_s, forecast_s, after_plain_s, max_depth)
+    engine.controller = controller_for(policy, engine, cells_s, forecast_s, after_plain_s)
     outputs = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
