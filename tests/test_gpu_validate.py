@@ -99,29 +99,43 @@ def test_dry_run_writes_the_result_skeleton(dry_run):
         assert f"| {step['name']} | planned |" in table
 
 
-def test_dry_run_with_a_wheelhouse_plans_the_offline_install(tmp_path):
+def test_dry_run_with_site_parts_plans_the_offline_install(tmp_path):
     out = tmp_path / "results"
-    wheelhouse = tmp_path / "wh"
+    parts, links = tmp_path / "parts", tmp_path / "links"
     result = gpu_validate(
-        "--dry-run", "--wheelhouse", str(wheelhouse), "--out", str(out), cache=tmp_path / "cache"
-    )
+        "--dry-run", "--site-parts", str(parts), "--find-links", str(links), "--out", str(out),
+        cache=tmp_path / "cache",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     steps = {step["name"]: step for step in summary["steps"]}
-    assert list(steps)[:4] == [
-        "unpack-wheelhouse",
-        "install-wheelhouse",
-        "install-plugin",
-        "fetch-smollm2",
-    ]
-    assert f"cat {wheelhouse}/part-*" in steps["unpack-wheelhouse"]["command"]
-    assert "--no-index --no-deps" in steps["install-wheelhouse"]["command"]
+    assert list(steps)[:3] == ["unpack-site", "install-plugin", "fetch-smollm2"]
+    site = (out / "site").resolve()
+    assert (
+        f"cat {parts}/site-part-* | xz -dc | tar x --strip-components=1 -C {site}"
+        in (steps["unpack-site"]["command"])
+    )
+    assert f"--target {site}" in steps["install-plugin"]["command"]
     assert steps["fetch-smollm2"]["env"]["PIP_NO_INDEX"] == "1"
+    assert steps["fetch-smollm2"]["env"]["PIP_FIND_LINKS"] == str(links.resolve())
     for name in ("exactness", "tree-build", "throughput-triton", "throughput-flashinfer"):
-        assert steps[name]["env"]["PYTHONPATH"] == str((out / "site").resolve())
+        assert steps[name]["env"]["PYTHONPATH"] == str(site)
     # Planned for SmolLM2 (block 16, head_dim 64): both backends, budgets 16 and 64.
     assert "--configs none dflash ddtree:16 ddtree:64" in steps["throughput-flashinfer"]["command"]
     assert summary["budget_s"] <= 30 * 60
+
+
+def test_only_keeps_the_installs_and_the_steps_named(tmp_path):
+    out = tmp_path / "results"
+    result = gpu_validate(
+        "--dry-run", "--site-parts", str(tmp_path / "parts"), "--only", "exactness",
+        "throughput-triton", "--concurrency", "1", "8", "--out", str(out), cache=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    steps = {step["name"]: step for step in json.loads((out / "plan.json").read_text())}
+    assert list(steps) == ["unpack-site", "install-plugin", "exactness", "throughput-triton"]
+    assert "--concurrency 1 8 --prompts" in " ".join(steps["throughput-triton"]["argv"])
+    assert f"--basetemp={out.resolve() / 'exactness'}" in steps["exactness"]["argv"]
 
 
 def test_bad_arguments_exit_with_one_line(tmp_path):
@@ -150,3 +164,17 @@ def test_environment_probe_compiles(monkeypatch):
     spec.loader.exec_module(module)
     compile(module.ENV_PROBE, "environment probe", "exec")
     assert "get_device_properties" in module.ENV_PROBE and "import pytest" in module.ENV_PROBE
+
+
+def test_gpu_site_carries_what_the_h100_run_found_missing():
+    """Each of these cost a failed server start on the H100 (benchmarks/results/gpu_h100_*.md)."""
+    listed = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu-site.sh"), "--list"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout.splitlines()  # fmt: skip
+    wheels = {line.split()[1] for line in listed if line.startswith("wheel ")}
+    trimmed = [line.split()[1] for line in listed if line.startswith("trim ")]
+    for needed in ("sglang==0.5.17", "transformers==5.12.1", "tokenizers==0.22.2", "loguru",
+                   "jsonschema", "opentelemetry-api", "ipython-pygments-lexers"):  # fmt: skip
+        assert needed in wheels
+    assert not any(path.startswith(("flashinfer", "tvm_ffi/lib")) for path in trimmed)
