@@ -61,6 +61,11 @@ HARD_PLAIN_STEPS = 1
 # without it auto leant one candidate too large (small pair, 12 waves: 0.96x / 0.94x the best
 # fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x).
 TIE_RTOL = 0.03
+# Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
+# re-measured cell reads three fresh times; a cell unmeasured for explore_every drafted steps
+# drops its old times first (the same fixed-budget step's 16-step medians drifted 11.2-16.0 ms
+# within one CPU run, and one fresh time could not move a window of 16 stale ones).
+EXPLORE_STEPS = 3
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
 # is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
@@ -340,9 +345,10 @@ def make_controller(
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
     every batch-size bucket, each cell the minimum of 3 steps; every 32nd forecast step then
-    re-measures the stalest budget; a choice holds for ``HOLD_STEPS`` drafted steps; a larger
-    budget must beat the best smaller one by ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps
-    follow a forecast that prefers them while drafting pays on average)."""
+    re-measures the stalest budget for ``EXPLORE_STEPS`` steps; a choice holds for
+    ``HOLD_STEPS`` drafted steps; a larger budget must beat the best smaller one by
+    ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
+    drafting pays on average)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
@@ -351,6 +357,7 @@ def make_controller(
         max_depth=max_depth,
         profile_steps=3,
         explore_every=32,
+        explore_steps=EXPLORE_STEPS,
         hold_steps=HOLD_STEPS,
         tie_rtol=TIE_RTOL,
         hard_plain_steps=HARD_PLAIN_STEPS,

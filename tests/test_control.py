@@ -665,6 +665,36 @@ def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
     assert set(probes) == {0, 4}  # probes forecast (and verify at 4): no exploration
 
 
+def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
+    """A cell measured under another load (here budget 8 at 30 ms, nine times) is explored for
+    ``explore_steps`` steps and then reads those fresh times alone, so auto moves to it once it
+    has become cheap; a fresh time or three in a window of old ones would leave it at 30 ms."""
+    budgets = (0, 4, 8, 16)
+    then = {0: 0.010, 4: 0.012, 8: 0.030, 16: 1.0}
+    now = {0: 0.010, 4: 0.012, 8: 0.0125, 16: 1.0}
+    ctl = BudgetController(
+        ControlConfig(budgets=budgets, profile_steps=1, explore_every=4, explore_steps=3),
+        LatencyModel([[then[b] for b in budgets]] * 2, budgets, bs_buckets=(1, 8)),
+        max_slots=8,
+    )
+    tree = strong_or_useless_tree(1, strong=True)
+    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    for _ in range(len(budgets)):  # the profile, under the old load
+        budget, drafted = step_budget(ctl, 1, None)
+        ctl.record_step(1, budget, then[budget], drafted)
+    for _ in range(8):
+        ctl.record_step(1, 8, then[8])
+    steps = []
+    for _ in range(12):
+        budget, drafted = step_budget(ctl, 1, fc)
+        ctl.record_step(1, budget, now[budget], drafted)
+        steps.append(budget if drafted else "plain")
+    # three forecasts at 4, budget 0's stale cell by a plain step, 8's by three held steps
+    assert steps[:7] == [4, 4, 4, "plain", 8, 8, 8]
+    assert ctl.latency.row(1)[budgets.index(8)] == pytest.approx(now[8])
+    assert steps[7:] == [8, 8, 8, 16, 16]  # 8 now pays more than 4; then 16 is explored
+
+
 def test_a_larger_budget_must_beat_the_best_smaller_one_by_the_tie_margin():
     """Neighbouring budgets' predicted rates are often closer than the latency model's error:
     auto takes a larger budget only for a clear gain (``step.TIE_RTOL``), never for a close

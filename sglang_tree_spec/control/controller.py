@@ -84,6 +84,12 @@ class ControlConfig:
         measured once under a burst of load is not avoided for ever; when that is budget 0,
         the step before the exploration step is a plain one (no draft), and the exploration
         step then takes the stalest budget > 0.
+    explore_steps: an exploration step's budget holds for this many drafted steps (it
+        included), so the re-measured cell reads several fresh times. A cell last measured
+        ``explore_every`` or more drafted steps ago (forecast and exploration steps) drops its
+        old times at its next measurement: they were taken under whatever load the machine had
+        then (on this CPU the same step's time drifts by 15% within a run), and one fresh time
+        in a window of old ones would not move its median.
     hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the
         forecast step included) while the batch is the same: the steps after it draft and build
         at that budget alone, like a fixed budget (no forecast, no ranking, no calibration
@@ -108,6 +114,7 @@ class ControlConfig:
     plain_decay: float = 0.95
     profile_steps: int = 0
     explore_every: int = 0
+    explore_steps: int = 1
     hold_steps: int = 1
     tie_rtol: float = 1e-6
     hard_plain_steps: int = 0
@@ -124,8 +131,11 @@ class ControlConfig:
             )
         if not 0.0 <= self.plain_decay < 1.0:
             raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
-        if self.hold_steps < 1:
-            raise ValueError(f"hold_steps must be >= 1, got {self.hold_steps}")
+        if self.hold_steps < 1 or self.explore_steps < 1:
+            raise ValueError(
+                f"hold_steps and explore_steps must be >= 1: {self.hold_steps}, "
+                f"{self.explore_steps}"
+            )
         if self.fixed_budget is not None and self.fixed_budget < 0:
             raise ValueError(f"fixed_budget must be >= 0, got {self.fixed_budget}")
 
@@ -286,8 +296,10 @@ class BudgetController:
             return self._count(profiled)
         if not self._plain and self._explores_next():
             self._drafted_steps += 1
-            self._hold = None
-            return self._count(self._stalest(bs, [b for b in self.config.budgets if b > 0]))
+            budget = self._stalest(bs, [b for b in self.config.budgets if b > 0])
+            steps = self.config.explore_steps
+            self._hold = (budget, bs, steps - 1) if steps > 1 else None
+            return self._count(budget)
         hold = self._hold
         if hold is None or hold[1] != bs or self._arrivals >= bs:
             self._hold = None
@@ -427,9 +439,13 @@ class BudgetController:
             return
         if forecast and self.config.hold_steps > 1:
             return
+        bucket = bucket_of(self.latency.bs_buckets, bs)
+        stamps = self._measured_at.setdefault(bucket, {})
+        every = self.config.explore_every
+        if every and budget in stamps and self._drafted_steps - stamps[budget] >= every:
+            self.latency.forget(bs, budget)  # stale: measured under another load
         if self.latency.record(bs, budget, seconds / forwards):
-            bucket = bucket_of(self.latency.bs_buckets, bs)
-            self._measured_at.setdefault(bucket, {})[budget] = self._drafted_steps
+            stamps[budget] = self._drafted_steps
 
     def latency_line(self, bs: int) -> str:
         """Host: the latency model's C(bs, N) per candidate in ms and the steps measured in its

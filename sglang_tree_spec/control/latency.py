@@ -213,8 +213,8 @@ class LatencyConfig:
     """Attributes:
     window: a cell reads the (lower) median of its last this many measured times.
     calib_decay: per-measurement decay of the linear calibration's sums.
-    max_weight: a measured cell's weight in its row's isotonic fit is its sample count, up to
-        this.
+    max_weight: a measured cell's weight in its row's isotonic fit is the number of times in its
+        window, up to this.
     """
 
     window: int = 16
@@ -298,14 +298,14 @@ class LatencyModel:
         return list(self._rows[bucket])
 
     def _fit_row(self, bucket: int) -> list[float]:
-        counts = self.count[bucket]
-        measured = [c for c, n in enumerate(counts) if n]
+        samples = self._samples[bucket]
+        measured = [c for c, times in enumerate(samples) if times]
         fitted = dict(
             zip(
                 measured,
                 isotonic(
-                    [statistics.median_low(self._samples[bucket][c]) for c in measured],
-                    [min(float(counts[c]), self.config.max_weight) for c in measured],
+                    [statistics.median_low(samples[c]) for c in measured],
+                    [min(float(len(samples[c])), self.config.max_weight) for c in measured],
                 ),
                 strict=True,
             )
@@ -339,6 +339,14 @@ class LatencyModel:
         self.count[bucket][column] += 1
         self._rows.clear()  # the calibration moved every prior: every row is refitted
         return True
+
+    def forget(self, bs: int, budget: int) -> None:
+        """Drop the times of ``bs``'s bucket's ``budget`` cell (its count stays: the profile
+        is not repeated); the cell reads its next measurements alone."""
+        column = self._col.get(budget)
+        if column is not None:
+            self._samples[bucket_of(self.bs_buckets, bs)][column].clear()
+            self._rows.clear()
 
     def mean_abs_rel_error(self) -> float:
         """Mean |predicted - measured| / measured of every recorded step, before its update."""
