@@ -191,6 +191,7 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
         "budget_steps": dict(sorted(budgets.items())),
         "predicted_accept": mean("predicted_accept_tokens_total", "verified_requests_total"),
         "observed_accept": mean("accepted_tokens_total", "verified_requests_total"),
+        "verified_requests": int(delta.get("verified_requests_total", 0)),
         "step_time_error": mean("step_time_abs_rel_error_total", "timed_steps_total"),
     }
 
@@ -318,7 +319,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "interleaved across configurations (tok/s over all of them). `x none`: ratio "
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
-        "predicted vs observed accept length; C err: latency model's mean step-time error.",
+        "predicted vs observed accept length over n verified request-steps; C err: latency "
+        "model's mean step-time error.",
         "",
         f"Command: `{env['command']}`",
         "",
@@ -330,7 +332,7 @@ def markdown(rows: list[dict], env: dict) -> str:
         c = r["control"]
         ratio = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
         pred_obs = (
-            f"{c['predicted_accept']:.2f}/{c['observed_accept']:.2f}"
+            f"{c['predicted_accept']:.2f}/{c['observed_accept']:.2f} (n {c['verified_requests']})"
             if c["predicted_accept"] is not None
             else "-"
         )

@@ -222,7 +222,7 @@ def setup_steps(args: argparse.Namespace, out: Path) -> tuple[list[Step], dict[s
         steps.append(Step(
             "install-plugin",
             [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-             "--no-build-isolation", "--target", str(site), str(ROOT)],
+             "--no-build-isolation", "--upgrade", "--target", str(site), str(ROOT)],
             60, "install this checkout (SGLang finds the plugin by its entry point)",
         ))  # fmt: skip
         env["PYTHONPATH"] = str(site)
