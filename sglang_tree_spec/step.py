@@ -62,10 +62,19 @@ HARD_PLAIN_STEPS = 1
 # fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x).
 TIE_RTOL = 0.03
 # Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
-# re-measured cell reads three fresh times; a cell unmeasured for explore_every drafted steps
-# drops its old times first (the same fixed-budget step's 16-step medians drifted 11.2-16.0 ms
-# within one CPU run, and one fresh time could not move a window of 16 stale ones).
+# re-measured cell reads three fresh times (one could not move a window of 16).
 EXPLORE_STEPS = 3
+# Auto: drafted steps after which an unmeasured cell drops its old times at its next measurement
+# (ControlConfig.forget_after). The latency model's load rescales times taken at another speed
+# of the machine, so a cell's old times stay comparable; 512 drafted steps is several requests'
+# lifetimes at any concurrency, long enough for their contexts to have changed the cost.
+FORGET_AFTER = 512
+# Auto: explorations re-measure the contenders alone, the budgets whose predicted rate at the
+# bucket's last forecast was within this fraction of the best (ControlConfig.explore_margin):
+# a budget further behind than the cells' noise (5-10% on this CPU) cannot become the choice by
+# a fresher time, and re-measuring it only costs (budget 32 at batch size 16: twice budget 4's
+# step).
+EXPLORE_MARGIN = 0.15
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
 # is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
@@ -344,8 +353,9 @@ def make_controller(
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
-    every batch-size bucket, each cell the minimum of 3 steps; every 32nd forecast step then
-    re-measures the stalest budget for ``EXPLORE_STEPS`` steps; a choice holds for
+    every profiled batch-size bucket, each cell the median of 3 steps; every 32nd drafted step
+    then re-measures the stalest contender (``EXPLORE_MARGIN``) for ``EXPLORE_STEPS`` steps;
+    a choice holds for
     ``HOLD_STEPS`` drafted steps; a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
     drafting pays on average)."""
@@ -358,6 +368,8 @@ def make_controller(
         profile_steps=3,
         explore_every=32,
         explore_steps=EXPLORE_STEPS,
+        explore_margin=EXPLORE_MARGIN,
+        forget_after=FORGET_AFTER,
         hold_steps=HOLD_STEPS,
         tie_rtol=TIE_RTOL,
         hard_plain_steps=HARD_PLAIN_STEPS,

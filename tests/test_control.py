@@ -245,6 +245,39 @@ def test_latency_refinement_converges_to_measured_times():
     assert model.seconds(1, 32) == pytest.approx(1.5 * truth[0][2], rel=0.02)
 
 
+def test_unpadded_batch_sizes_are_cells_of_their_own_between_profiled_neighbours():
+    """Where nothing pads a batch (a CPU), every batch size is a cell: a step of 11 requests
+    is not recorded as one of 16 (which costs more). Only the usual buckets are profiled; a
+    size between them reads its column's measured neighbours (linear in bs) until measured."""
+    from sglang_tree_spec.control.latency import (
+        DEFAULT_BS_BUCKETS,
+        EXACT_BS_BUCKETS,
+        bs_buckets_for,
+    )
+
+    assert bs_buckets_for("cpu") == EXACT_BS_BUCKETS == tuple(range(1, 257))
+    assert bs_buckets_for("cuda") == DEFAULT_BS_BUCKETS  # CUDA graphs pad to these
+    budgets = (0, 4)
+    exact = EXACT_BS_BUCKETS[:16]
+    model = LatencyModel(
+        [[0.01, 0.01]] * 16, budgets, bs_buckets=exact, profile_buckets=(1, 2, 4, 8, 16)
+    )
+    assert [bs for bs in exact if model.profiles(bs)] == [1, 2, 4, 8, 16]
+    model.record(8, 4, 0.010)
+    model.record(16, 4, 0.020)
+    assert model.seconds(12, 4) == pytest.approx(0.015)  # between its measured neighbours
+    assert model.seconds(4, 4) == pytest.approx(0.010)  # one side: its ratio to the prior
+    model.record(11, 4, 0.012)
+    assert model.seconds(11, 4) == pytest.approx(0.012)
+    assert model.seconds(16, 4) == pytest.approx(0.020)  # bs 11 did not move bs 16's cell
+    assert model.seconds(12, 4) == pytest.approx(0.0136)  # now between 11 and 16
+    model.forget(11, 4)
+    assert model.seconds(11, 4) == pytest.approx(0.01375)  # between 8 and 16 again
+    ctl = BudgetController(ControlConfig(budgets=budgets, profile_steps=1), model, max_slots=16)
+    assert ctl.should_draft(12) and ctl.held_budget(12) is None  # not profiled: a forecast
+    assert not ctl.should_draft(4)  # profiled: budget 0's cell first, by a plain step
+
+
 def strong_or_useless_tree(bs: int, strong: bool, budget: int = 64):
     """A 15-deep tree: two likely tokens per position (0.6 and 0.39, so every added node still
     adds), or probabilities ~1e-9."""
@@ -478,8 +511,8 @@ def test_the_tree_built_reaches_one_candidate_above_the_last_choice():
 def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     """A forecast's budget > 0 serves the next ``hold_steps - 1`` drafted steps of the same
     batch without a forecast (counted as their choices); as many requests arriving as the
-    batch holds or a batch-size change ends the hold (one arrival of several does not), a
-    forecast that prefers plain steps starts none."""
+    batch holds or a batch that grows ends the hold (one arrival of several does not, nor do
+    requests leaving), a forecast that prefers plain steps starts none."""
     budgets = (0, 4, 8, 16, 32, 64)
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
     ctl = BudgetController(ControlConfig(budgets=budgets, hold_steps=3), flat, max_slots=8)
@@ -505,7 +538,8 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     assert ctl.held_budget(8) == 64
     ctl.reset(torch.arange(7))  # as many arrivals as the batch holds: a renewed batch
     assert forecast_step() == 64
-    assert ctl.held_budget(4) is None  # another batch size: no hold either
+    assert ctl.held_budget(4) == 64  # requests left: the rest were forecast, held on
+    assert ctl.held_budget(5) is None  # the batch grew: forecast again
     useless = strong_or_useless_tree(8, strong=False)
     fc = ctl.forecast(rows, useless.logprobs, useless.depths, useless.valid)
     steep = LatencyModel([[0.01] + [1.0] * 5] * 3, budgets, bs_buckets=(1, 8, 64))
@@ -563,8 +597,10 @@ def test_profile_measures_every_candidate_before_choosing():
 def test_a_cell_reads_the_median_of_its_recent_samples():
     """Warm-up and bursts of load only add time, several steps at a time: a cell reads the
     lower median of its last ``window`` samples, so a slow first forward or a burst shorter
-    than half the window does not move it, while a lasting change does."""
-    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,), config=LatencyConfig(window=8))
+    than half the window does not move it, while a lasting change does (no load here: one
+    cell alone cannot tell its own cost from the machine's speed)."""
+    config = LatencyConfig(window=8, load_window=0)
+    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,), config=config)
     for seconds in (5.0, 0.2, 0.3):  # a slow first step (warm-up), then the real cost
         model.record(1, 8, seconds)
     assert model.seconds(1, 8) == pytest.approx(0.3)
@@ -577,6 +613,39 @@ def test_a_cell_reads_the_median_of_its_recent_samples():
     for _ in range(5):  # the cost itself changed: after half a window the cell follows
         model.record(1, 8, 0.5)
     assert model.seconds(1, 8) == pytest.approx(0.5)
+
+
+def test_cells_measured_at_other_speeds_of_the_machine_compare_as_budgets():
+    """The machine slows down by a third while budget 8 runs (a neighbour, the OS): budget
+    16, measured before at the old speed, must still read what it costs at the new one, or
+    the choice would compare two speeds of the machine instead of two budgets (8's times
+    alone would make 16 look 25% cheaper than 8 pays after it). The load follows the
+    slowdown, the cells keep their relative costs, and a burst shorter than half the load
+    window moves neither."""
+    budgets = (8, 16)
+    model = LatencyModel([[1.0, 1.0]], budgets, bs_buckets=(1,))
+    for _ in range(8):  # both measured at the machine's usual speed: 16 costs 10% more
+        model.record(1, 8, 0.010)
+        model.record(1, 16, 0.011)
+    assert model.load == pytest.approx(1.0)
+    for _ in range(3):  # a burst of three steps: the load (median of 8 ratios) holds
+        model.record(1, 8, 0.020)
+    assert model.load == pytest.approx(1.0)
+    for _ in range(16):  # then the machine is a third slower for good, while 8 runs
+        model.record(1, 8, 0.0133)
+    assert model.load == pytest.approx(1.33)
+    eight, sixteen = model.row(1)
+    assert eight == pytest.approx(0.0133)
+    assert sixteen / eight == pytest.approx(1.1)  # 16's old times, at today's speed
+    model.record(1, 16, 0.0146)  # 16 at the new speed: agrees, nothing moves
+    assert model.row(1) == pytest.approx([0.0133, 0.0146], rel=0.01)
+    unloaded = LatencyModel([[1.0, 1.0]], budgets, (1,), LatencyConfig(load_window=0))
+    for seconds in [0.010, 0.011] * 8 + [0.020] * 3:
+        unloaded.record(1, 8 if seconds != 0.011 else 16, seconds)
+    for _ in range(16):
+        unloaded.record(1, 8, 0.0133)
+    eight, sixteen = unloaded.row(1)  # without: 16's old times undercut 8's, the row pools
+    assert sixteen == pytest.approx(eight)  # them, and a bigger tree reads free
 
 
 def test_isotonic_pools_decreasing_runs_by_weight():
@@ -692,7 +761,8 @@ def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     # three forecasts at 4, budget 0's stale cell by a plain step, 8's by three held steps
     assert steps[:7] == [4, 4, 4, "plain", 8, 8, 8]
     assert ctl.latency.row(1)[budgets.index(8)] == pytest.approx(now[8])
-    assert steps[7:] == [8, 8, 8, 16, 16]  # 8 now pays more than 4; then 16 is explored
+    # 8 now pays more than 4; the exploration's held steps count as drafted: 16 is next
+    assert steps[7:] == [8, 16, 16, 16, 8]
 
 
 def test_a_larger_budget_must_beat_the_best_smaller_one_by_the_tie_margin():

@@ -76,28 +76,37 @@ class ControlConfig:
         pays on the whole (it takes ``hard_plain_steps`` plain steps at most), nor does one
         lucky probe restart a drafter that does not.
     profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
-        bucket before trusting the model (the start-up profile, served in-line: a budget
-        never changes a token, so the profile costs speed only, for a few steps).
-    explore_every: after the profile, every this many unheld drafted steps (forecast and
-        exploration steps; no forecast on an exploration step) re-measure the budget
-        whose cell in this batch-size bucket was measured longest ago (0: never), so a cell
-        measured once under a burst of load is not avoided for ever; when that is budget 0,
-        the step before the exploration step is a plain one (no draft), and the exploration
-        step then takes the stalest budget > 0.
+        bucket that the latency model profiles (:meth:`LatencyModel.profiles`) before trusting
+        the model (the start-up profile, served in-line: a budget never changes a token, so
+        the profile costs speed only, for a few steps).
+    explore_every: after the profile, every this many drafted steps (held ones included; no
+        forecast on an exploration step) re-measure the contender (``explore_margin``) whose
+        cell in this batch-size bucket was measured longest ago (0: never), so a cell measured
+        once under a burst of load is not avoided for ever; when that is budget 0, the step
+        before the exploration step is a plain one (no draft), and the exploration step then
+        takes the stalest contender > 0 (the last choice when there is none).
+    explore_margin: the contenders of a bucket are the budgets whose rate at its last forecast
+        was within this fraction of the best (every budget before a forecast, and with
+        margin 1): a stale cell matters where it can change the choice, and re-measuring a
+        budget that loses by more than the cells drift (15% on this CPU) would cost speed for
+        nothing (budget 32 at batch size 16 costs twice budget 4's step).
     explore_steps: an exploration step's budget holds for this many drafted steps (it
-        included), so the re-measured cell reads several fresh times. A cell last measured
-        ``explore_every`` or more drafted steps ago (forecast and exploration steps) drops its
-        old times at its next measurement: they were taken under whatever load the machine had
-        then (on this CPU the same step's time drifts by 15% within a run), and one fresh time
-        in a window of old ones would not move its median.
+        included), so the re-measured cell reads several fresh times.
+    forget_after: a cell last measured this many drafted steps ago or more drops its old times
+        at its next measurement (None: ``explore_every``; 0: never), so it reads fresh times
+        alone: one fresh time in a window of old ones would not move its median. The latency
+        model's load already rescales times taken at another speed of the machine; this is
+        for what changed the cell itself (longer contexts, other requests).
     hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the
         forecast step included) while the batch is the same: the steps after it draft and build
         at that budget alone, like a fixed budget (no forecast, no ranking, no calibration
         update, a tree no larger than verified). 1: every drafted step forecasts. As many
-        requests arriving as the batch holds (a renewed batch), a batch-size change, a probe,
+        requests arriving as the batch holds (a renewed batch), a batch that grows, a probe,
         the profile and an exploration step end a hold; one request of several arriving does
         not (at concurrency 2-8 one arrives every few steps, and forecast steps cost more than
-        held ones).
+        held ones), nor do requests leaving: the rest were forecast, and a smaller batch costs
+        less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
+        and ending the hold there made every second step of the tail a forecast).
     tie_rtol: objectives within this relative margin of the best count as ties.
     hard_plain_steps: a forecast that prefers plain steps while drafting pays on average (a
         hard stretch of text, not a useless drafter) is followed by this many plain steps,
@@ -115,6 +124,8 @@ class ControlConfig:
     profile_steps: int = 0
     explore_every: int = 0
     explore_steps: int = 1
+    forget_after: int | None = None
+    explore_margin: float = 1.0
     hold_steps: int = 1
     tie_rtol: float = 1e-6
     hard_plain_steps: int = 0
@@ -226,11 +237,12 @@ class BudgetController:
         self._probe_interval = config.probe_every  # steps from one probe to the next
         self._steps_since_draft = 0
         self._arrivals = 0  # requests arrived since the last forecast
-        self._drafted_steps = 0  # drafted auto steps after the profile
+        self._drafted_steps = 0  # drafted auto steps after the profile (held ones too)
         self._last_verified: int | None = None  # the last forecast step's verified budget
         # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
         self._drafted_gain = [0.0, 0.0]
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
+        self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
 
     @property
@@ -239,8 +251,11 @@ class BudgetController:
 
     def _to_profile(self, bs: int) -> int | None:
         """The first candidate whose C(bs, N) cell has fewer than ``profile_steps``
-        measurements, or None once the bucket is profiled."""
+        measurements, or None once the bucket is profiled (or is not one the profile fills:
+        :meth:`LatencyModel.profiles`)."""
         latency = self.latency
+        if not latency.profiles(bs):
+            return None
         counts = latency.count[bucket_of(latency.bs_buckets, bs)]
         return next(
             (b for b, n in zip(self.config.budgets, counts, strict=True)
@@ -248,19 +263,21 @@ class BudgetController:
             None,
         )  # fmt: skip
 
-    def _stalest(self, bs: int, budgets: list[int]) -> int:
-        """The candidate of ``budgets`` measured longest ago in ``bs``'s bucket."""
+    def _stalest(self, bs: int, drafted: bool) -> int:
+        """The contender of ``bs``'s bucket (``ControlConfig.explore_margin``) measured
+        longest ago; ``drafted``: among the contenders > 0 (every budget > 0 when none is)."""
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
+        budgets = self._contenders.get(bucket, self.config.budgets)
+        if drafted:
+            budgets = [b for b in budgets if b > 0] or [b for b in self.config.budgets if b > 0]
         return min(budgets, key=lambda b: stamps.get(b, -1))
 
     def _explores_plain(self, bs: int) -> bool:
-        """The next drafted step is an exploration step and budget 0's cell is the stalest:
-        take a plain step instead (C(bs, 0) is measured by plain steps only, and auto sitting
-        at a budget > 0 takes none)."""
-        if not self._explores_next():
-            return False
-        return self._stalest(bs, list(self.config.budgets)) == 0
+        """The next drafted step is an exploration step and budget 0's cell is the stalest
+        contender: take a plain step instead (C(bs, 0) is measured by plain steps only, and
+        auto sitting at a budget > 0 takes none)."""
+        return self._explores_next() and self._stalest(bs, drafted=False) == 0
 
     def _explores_next(self) -> bool:
         """The next drafted step after the profile is an exploration step."""
@@ -296,16 +313,17 @@ class BudgetController:
             return self._count(profiled)
         if not self._plain and self._explores_next():
             self._drafted_steps += 1
-            budget = self._stalest(bs, [b for b in self.config.budgets if b > 0])
+            budget = self._stalest(bs, drafted=True)
             steps = self.config.explore_steps
             self._hold = (budget, bs, steps - 1) if steps > 1 else None
             return self._count(budget)
         hold = self._hold
-        if hold is None or hold[1] != bs or self._arrivals >= bs:
+        if hold is None or bs > hold[1] or self._arrivals >= bs:
             self._hold = None
             return None
         budget, _, left = hold
         self._hold = (budget, bs, left - 1) if left > 1 else None
+        self._drafted_steps += 1
         return self._count(budget)
 
     def should_draft(self, bs: int) -> bool:
@@ -374,6 +392,7 @@ class BudgetController:
         )
         best = choice()
         verified = best if best != 0 else choice(min_budget=1)  # the draft is paid for
+        self._note_contenders(bs, totals, seconds, forecast.tree_budget)
         if self.config.budgets[0] == 0:
             column = self.config.budgets.index(verified)
             self._add_drafted_gain(totals[column] / bs, seconds[column] / seconds[0])
@@ -391,6 +410,21 @@ class BudgetController:
             self._hold = (best, bs, self.config.hold_steps - 1)
         self._last_verified = verified
         return self._count(verified)
+
+    def _note_contenders(
+        self, bs: int, totals: list[float], seconds: list[float], tree_budget: int
+    ) -> None:
+        """Host: the budgets whose predicted rate is within ``ControlConfig.explore_margin``
+        of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
+        predicted, with margin 1 alone)."""
+        margin, budgets = self.config.explore_margin, self.config.budgets
+        rates = [t / c for t, c in zip(totals, seconds, strict=True)]
+        top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
+        self._contenders[bucket_of(self.latency.bs_buckets, bs)] = [
+            b
+            for b, r in zip(budgets, rates, strict=True)
+            if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0)
+        ]
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
         decay, gain = self.config.plain_decay, self._drafted_gain
@@ -441,9 +475,10 @@ class BudgetController:
             return
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
-        every = self.config.explore_every
-        if every and budget in stamps and self._drafted_steps - stamps[budget] >= every:
-            self.latency.forget(bs, budget)  # stale: measured under another load
+        after = self.config.forget_after
+        after = self.config.explore_every if after is None else after
+        if after and budget in stamps and self._drafted_steps - stamps[budget] >= after:
+            self.latency.forget(bs, budget)  # stale
         if self.latency.record(bs, budget, seconds / forwards):
             stamps[budget] = self._drafted_steps
 

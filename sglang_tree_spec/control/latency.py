@@ -23,11 +23,25 @@ a shared machine come in bursts (the OS, a neighbour, the server's own other wor
 the usual, several in a row); an average takes them in, and since a cell is only measured when
 its budget is chosen, a rarely chosen cell keeps the burst it last saw (an average made drafted
 cells look 25-50% dearer than plain steps). The median is what the next step costs outside a
-burst. A batch-size bucket's row is then made non-decreasing in N (a weighted isotonic fit,
+burst. A shared machine also drifts more slowly (on this 2-core VM a fixed budget's 16-step
+median ranges over +-16% within a run), and a cell is measured only when its budget runs, so
+cells measured minutes apart would compare the machine's speeds, not the budgets': every time is
+stored divided by the machine's current load, the median ratio of the last ``load_window``
+steps' times to their cells (a slowdown that hits every shape alike moves the load, not the
+cells), and a row is read back times the current load. A batch-size bucket's row is then made
+non-decreasing in N (a weighted isotonic fit,
 measured cells weighing by their sample count; unmeasured cells clamped between their measured
 neighbours): a bigger tree never costs less, so a cell measured under a burst of load, or
-rarely, is pooled with its neighbours instead of standing out. Batch sizes map to buckets (the
-smallest bucket >= bs, as CUDA-graph padding runs them).
+rarely, is pooled with its neighbours instead of standing out.
+
+Batch sizes map to buckets as the device runs them: the smallest bucket >= bs where CUDA graphs
+pad a batch to their captured sizes (:data:`DEFAULT_BS_BUCKETS`), every batch size where nothing
+pads (:func:`bs_buckets_for` a CPU: a step of 11 requests costs less than one of 16, and a
+bucket of both reads whichever batch size its budget happened to run at). An unmeasured cell
+reads the measured cells of its column in the nearest buckets (linear in bs between one below
+and one above; one side alone scaled by the prior), else the calibrated prior; so with every
+batch size a bucket, the start-up profile fills the :data:`DEFAULT_BS_BUCKETS` rows alone
+(``profile_buckets``) and the sizes between them read their measured neighbours until measured.
 """
 
 from __future__ import annotations
@@ -38,6 +52,13 @@ import statistics
 from dataclasses import dataclass
 
 DEFAULT_BS_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+EXACT_BS_BUCKETS: tuple[int, ...] = tuple(range(1, DEFAULT_BS_BUCKETS[-1] + 1))
+
+
+def bs_buckets_for(device_type: str) -> tuple[int, ...]:
+    """The batch sizes a device's decode steps run at: CUDA graphs pad a batch to the
+    next captured size (:data:`DEFAULT_BS_BUCKETS`); a CPU runs every size as it is."""
+    return EXACT_BS_BUCKETS if device_type == "cpu" else DEFAULT_BS_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -212,12 +233,15 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 class LatencyConfig:
     """Attributes:
     window: a cell reads the (lower) median of its last this many measured times.
+    load_window: the machine's load is the median ratio of this many latest times to their
+        cells' (0: no load, times stored as measured).
     calib_decay: per-measurement decay of the linear calibration's sums.
     max_weight: a measured cell's weight in its row's isotonic fit is the number of times in its
         window, up to this.
     """
 
     window: int = 16
+    load_window: int = 8
     calib_decay: float = 0.995
     max_weight: float = 8.0
 
@@ -231,13 +255,19 @@ class LatencyModel:
         budgets: tuple[int, ...],
         bs_buckets: tuple[int, ...] = DEFAULT_BS_BUCKETS,
         config: LatencyConfig = LatencyConfig(),
+        profile_buckets: tuple[int, ...] | None = None,
     ) -> None:
+        """``profile_buckets``: the buckets whose rows the start-up profile fills (None: all
+        of ``bs_buckets``; see :meth:`profiles`)."""
         if len(prior) != len(bs_buckets) or any(len(row) != len(budgets) for row in prior):
             raise ValueError("prior must be [len(bs_buckets)][len(budgets)]")
         self.prior = [list(map(float, row)) for row in prior]
         self.budgets = tuple(budgets)
         self.bs_buckets = tuple(bs_buckets)
         self.config = config
+        profiled = self.bs_buckets if profile_buckets is None else profile_buckets
+        self._profiled = frozenset(profiled) & frozenset(self.bs_buckets)
+        self._measured = [[] for _ in budgets]  # per column, sorted buckets with samples
         self._col = {b: i for i, b in enumerate(self.budgets)}
         self._samples = [
             [collections.deque(maxlen=config.window) for _ in budgets] for _ in bs_buckets
@@ -247,6 +277,8 @@ class LatencyModel:
         self._abs_rel_err = 0.0
         self._err_count = 0
         self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
+        self._ratios = collections.deque(maxlen=config.load_window)  # time / its cell
+        self.load = 1.0  # the machine's speed now over its speed when the cells were measured
 
     @classmethod
     def from_roofline(
@@ -261,11 +293,18 @@ class LatencyModel:
         bs_buckets: tuple[int, ...] = DEFAULT_BS_BUCKETS,
         config: LatencyConfig = LatencyConfig(),
     ) -> LatencyModel:
+        """The roofline prior over ``bs_buckets`` (:func:`bs_buckets_for` the device); the
+        profile fills the :data:`DEFAULT_BS_BUCKETS` rows."""
         prior = [
             [roofline_step_seconds(target, device, bs, n, context, drafter, block) for n in budgets]
             for bs in bs_buckets
         ]
-        return cls(prior, budgets, bs_buckets, config)
+        return cls(prior, budgets, bs_buckets, config, profile_buckets=DEFAULT_BS_BUCKETS)
+
+    def profiles(self, bs: int) -> bool:
+        """The start-up profile measures ``bs``'s bucket (the others read their measured
+        neighbours, see :meth:`row`)."""
+        return self.bs_buckets[bucket_of(self.bs_buckets, bs)] in self._profiled
 
     def calibration(self) -> tuple[float, float]:
         """(a, b) of measured ~= a * prior + b; (1, 0) before any measurement."""
@@ -291,11 +330,15 @@ class LatencyModel:
     def row(self, bs: int) -> list[float]:
         """``[C]`` C(bs, N) for every candidate budget, non-decreasing in N: the measured cells'
         medians under a weighted isotonic fit (weights: sample counts), and between them the
-        calibrated prior, clamped to the fitted cells on either side."""
+        column's nearest measured buckets (:meth:`_unmeasured`), clamped to the fitted cells on
+        either side; times the machine's current load."""
+        return [self.load * seconds for seconds in self._unloaded_row(bs)]
+
+    def _unloaded_row(self, bs: int) -> list[float]:
         bucket = bucket_of(self.bs_buckets, bs)
         if bucket not in self._rows:
             self._rows[bucket] = self._fit_row(bucket)
-        return list(self._rows[bucket])
+        return self._rows[bucket]
 
     def _fit_row(self, bucket: int) -> list[float]:
         samples = self._samples[bucket]
@@ -317,10 +360,26 @@ class LatencyModel:
                 continue
             below = [fitted[c] for c in measured if c < column]
             above = [fitted[c] for c in measured if c > column]
-            value = self.calibrated_prior(bucket, column)
+            value = self._unmeasured(bucket, column)
             value = max(value, below[-1]) if below else value
             row.append(min(value, above[0]) if above else value)
         return row
+
+    def _unmeasured(self, bucket: int, column: int) -> float:
+        """An unmeasured cell: its calibrated prior times the measured / calibrated-prior
+        ratio of its column's nearest measured buckets (linear in the batch size between the
+        one below and the one above, else the one side's; 1 when the column has none)."""
+        rows = self._measured[column]
+        at = bisect.bisect_left(rows, bucket)
+        near = rows[max(at - 1, 0) : at + 1]  # the cell's own bucket has no samples
+        ratio = [
+            statistics.median_low(self._samples[r][column]) / self.calibrated_prior(r, column)
+            for r in near
+        ] or [1.0]
+        if len(near) == 2:
+            lo, hi = (self.bs_buckets[r] for r in near)
+            ratio[0] += (ratio[1] - ratio[0]) * (self.bs_buckets[bucket] - lo) / (hi - lo)
+        return ratio[0] * self.calibrated_prior(bucket, column)
 
     def record(self, bs: int, budget: int, seconds: float) -> bool:
         """Fold in one measured step; False (ignored) for a budget outside the candidates."""
@@ -331,11 +390,18 @@ class LatencyModel:
         predicted = self.seconds(bs, budget)
         self._abs_rel_err += abs(predicted - seconds) / seconds
         self._err_count += 1
+        samples = self._samples[bucket][column]
+        if samples and self.config.load_window:
+            self._ratios.append(seconds / statistics.median_low(samples))
+            self.load = statistics.median_low(self._ratios)
+        seconds /= self.load  # at the speed the cells were measured at
         x = self.prior[bucket][column]
         d = self.config.calib_decay
         for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self._sums[i] = self._sums[i] * d + v
-        self._samples[bucket][column].append(seconds)
+        if not samples:
+            bisect.insort(self._measured[column], bucket)
+        samples.append(seconds)
         self.count[bucket][column] += 1
         self._rows.clear()  # the calibration moved every prior: every row is refitted
         return True
@@ -343,9 +409,10 @@ class LatencyModel:
     def forget(self, bs: int, budget: int) -> None:
         """Drop the times of ``bs``'s bucket's ``budget`` cell (its count stays: the profile
         is not repeated); the cell reads its next measurements alone."""
-        column = self._col.get(budget)
-        if column is not None:
-            self._samples[bucket_of(self.bs_buckets, bs)][column].clear()
+        column, bucket = self._col.get(budget), bucket_of(self.bs_buckets, bs)
+        if column is not None and self._samples[bucket][column]:
+            self._samples[bucket][column].clear()
+            self._measured[column].remove(bucket)
             self._rows.clear()
 
     def mean_abs_rel_error(self) -> float:

@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from sglang_tree_spec.config import METHODS, TreeConfig
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
-from sglang_tree_spec.control.latency import device_spec, shape_of
+from sglang_tree_spec.control.latency import bs_buckets_for, device_spec, shape_of
 from sglang_tree_spec.drafters.dflash import DFlashDrafter
 from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.engine.kv import check_plain_cache, verify_attention_mask
@@ -194,6 +194,7 @@ class SpecEngine:
             config.budgets,
             drafter=drafter,
             block=self.drafter.block_size,
+            bs_buckets=bs_buckets_for(self.device.type),
         )
 
     # ------------------------------------------------------------------------- public API

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sglang_tree_spec.control import LatencyModel, dflash_drafter
-from sglang_tree_spec.control.latency import device_spec, shape_of
+from sglang_tree_spec.control.latency import bs_buckets_for, device_spec, shape_of
 from sglang_tree_spec.graft import TablePartitions
 from sglang_tree_spec.host_copy import to_device
 from sglang_tree_spec.plugin import compat
@@ -236,6 +236,7 @@ def _define_worker() -> type:
                 self.config.budgets,
                 drafter=dflash_drafter(target, drafter_layers),
                 block=self.block_size,
+                bs_buckets=bs_buckets_for(torch.device(self.device).type),
             )
 
         def init_cuda_graphs(self) -> None:
