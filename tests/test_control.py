@@ -734,6 +734,36 @@ def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
     assert set(probes) == {0, 4}  # probes forecast (and verify at 4): no exploration
 
 
+def test_explorations_re_measure_the_contenders_alone():
+    """With ``explore_margin``, an exploration re-measures only the budgets whose predicted
+    rate at the bucket's last forecast was within that fraction of the best (a budget far
+    behind cannot become the choice by a fresher time; at batch size 16 budget 32 costs twice
+    budget 4's step); with margin 1 every budget takes its turn, plain steps included."""
+    budgets = (0, 4, 8, 16, 32, 64)
+    row = [0.01, 0.012, 0.0125, 1.0, 1.0, 1.0]  # 4 and 8 close; bigger trees 80x dearer
+
+    def chosen(margin: float) -> list[tuple[int, bool]]:
+        ctl = BudgetController(
+            ControlConfig(budgets=budgets, profile_steps=1, explore_every=4, explore_margin=margin),
+            LatencyModel([row] * 3, budgets, bs_buckets=(1, 8, 64)),
+            max_slots=8,
+        )
+        tree = strong_or_useless_tree(1, strong=True)
+        fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+        steps = []
+        for _ in range(len(budgets) + 32):  # the profile, then 32 steps
+            budget, drafted = step_budget(ctl, 1, fc)
+            ctl.record_step(1, budget, row[budgets.index(budget)], drafted)
+            steps.append((budget, drafted))
+        return steps[len(budgets) :]
+
+    contenders = chosen(0.3)
+    assert {b for b, _ in contenders} == {4, 8} and all(drafted for _, drafted in contenders)
+    everyone = chosen(1.0)
+    assert {b for b, _ in everyone} == set(budgets)  # 16, 32, 64 and a plain step too
+    assert (0, False) in everyone
+
+
 def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     """A cell measured under another load (here budget 8 at 30 ms, nine times) is explored for
     ``explore_steps`` steps and then reads those fresh times alone, so auto moves to it once it

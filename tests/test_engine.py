@@ -228,11 +228,12 @@ def test_bad_configuration_and_input_raise_clear_errors():
 
 
 def test_auto_budget_changes_budgets_not_tokens():
-    """``auto``: the budget moves between steps (the in-line profile alone visits every
-    candidate) and the greedy tokens and seeded samples are those of plain decoding."""
+    """``auto``: the budget moves between steps (the in-line profile of a batch of 4, a
+    profiled size, alone visits every candidate) and the greedy tokens and seeded samples are
+    those of plain decoding."""
     target = tiny_target("qwen3")
     drafter = random_drafter(target, 8, seed=3)
-    prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6]]
+    prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6], [2, 2, 5]]
     ar = SpecEngine(target, method="ar")
     auto = SpecEngine(target, drafter, "ddtree", budget=16, auto=True)
     assert auto.config.budgets == (0, 4, 8, 16)

@@ -10,8 +10,11 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
   estimators rescale the surrogate toward the observed accepted lengths.
-* Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, else a
-  roofline prior under an online linear calibration; host floats, ``record(bs, N, seconds)``.
+* Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, each
+  divided by the machine's load when measured and read back times today's (so cells measured
+  at different speeds of the machine compare as budgets), else the column's measured
+  neighbouring batch sizes, else a roofline prior under an online linear calibration; host
+  floats, ``record(bs, N, seconds)``.
 * Budget 0 is a plain decode step (no drafter; C(bs, 0) is per target forward, a step may run
   several); once a step's forecast chooses 0 and the
   drafted steps' decayed average says drafting does not pay either, the steps skip drafting and
