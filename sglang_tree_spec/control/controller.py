@@ -84,12 +84,12 @@ class ControlConfig:
         cell in this batch-size bucket was measured longest ago (0: never), so a cell measured
         once under a burst of load is not avoided for ever; when that is budget 0, the step
         before the exploration step is a plain one (no draft), and the exploration step then
-        takes the stalest contender > 0 (the last choice when there is none).
+        takes the stalest contender > 0 (of every budget > 0 when there is none).
     explore_margin: the contenders of a bucket are the budgets whose rate at its last forecast
         was within this fraction of the best (every budget before a forecast, and with
         margin 1): a stale cell matters where it can change the choice, and re-measuring a
-        budget that loses by more than the cells drift (15% on this CPU) would cost speed for
-        nothing (budget 32 at batch size 16 costs twice budget 4's step).
+        budget that loses by more than the cells' noise (5-10% on this CPU) would cost speed
+        for nothing (budget 32 at batch size 16 costs twice budget 4's step).
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times.
     forget_after: a cell last measured this many drafted steps ago or more drops its old times

@@ -38,8 +38,9 @@ Batch sizes map to buckets as the device runs them: the smallest bucket >= bs wh
 pad a batch to their captured sizes (:data:`DEFAULT_BS_BUCKETS`), every batch size where nothing
 pads (:func:`bs_buckets_for` a CPU: a step of 11 requests costs less than one of 16, and a
 bucket of both reads whichever batch size its budget happened to run at). An unmeasured cell
-reads the measured cells of its column in the nearest buckets (linear in bs between one below
-and one above; one side alone scaled by the prior), else the calibrated prior; so with every
+reads the measured cells of its column in the nearest buckets, as ratios to the calibrated
+prior (linear in bs between one below and one above, else the one side's), else the calibrated
+prior itself; so with every
 batch size a bucket, the start-up profile fills the :data:`DEFAULT_BS_BUCKETS` rows alone
 (``profile_buckets``) and the sizes between them read their measured neighbours until measured.
 """
