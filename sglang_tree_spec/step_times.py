@@ -7,6 +7,11 @@ benchmarks read :attr:`PhaseTimer.last_step` after every step.
 
 Off by default: timing a GPU step honestly needs a device synchronisation at every phase
 boundary, which the hot path must not pay.
+
+:class:`StepLog` (``SGLANG_TREE_SPEC_STEP_LOG=DIR``, server only) writes one CSV line per decode
+step: batch size, budget, whether it drafted or forecast, target forwards, committed tokens and
+the step's period (the latency model's measurement), for reading the budget control step by
+step (``benchmarks/step_log_report.py``). Each line reads the committed tokens: a device read.
 """
 
 from __future__ import annotations
@@ -18,6 +23,35 @@ from collections.abc import Callable
 import torch
 
 ENV_FLAG = "SGLANG_TREE_SPEC_STEP_TIMES"
+LOG_ENV_FLAG = "SGLANG_TREE_SPEC_STEP_LOG"
+STEP_LOG_HEADER = "bs,budget,drafted,forecast,forwards,tokens,seconds"
+
+
+class StepLog:
+    """One CSV line per decode step into ``DIR/steps_<label>_<pid>.csv`` (``label``: the
+    server's budget, ``auto`` or a number). :meth:`from_env` returns None when the variable is
+    unset, so the hot path pays one ``is None`` test."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # line-buffered, lives as long as the worker
+        if self._file.tell() == 0:
+            self._file.write(STEP_LOG_HEADER + "\n")
+
+    @classmethod
+    def from_env(cls, label: str) -> StepLog | None:
+        folder = os.environ.get(LOG_ENV_FLAG, "")
+        if not folder:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(folder, f"steps_{label}_{os.getpid()}.csv"))
+
+    def write(
+        self, bs: int, budget: int, drafted: bool, forecast: bool, forwards: int, tokens: int,
+        seconds: float,
+    ) -> None:  # fmt: skip
+        self._file.write(
+            f"{bs},{budget},{int(drafted)},{int(forecast)},{forwards},{tokens},{seconds:.6f}\n"
+        )
 
 
 class PhaseTimer:

@@ -552,6 +552,34 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
         ControlConfig(hold_steps=0)
 
 
+def test_held_steps_calibrate_the_forecasts_they_follow():
+    """Forecast steps are the hard ones (a request's first steps, the step after a plain run);
+    the held steps each forecast governs calibrate too, so the forecasts predict the steps they
+    govern: here every forecast step accepts nothing and every held step 4 tokens, and the
+    forecast predicts the mean of all steps, 3 (calibrated on forecast steps alone: ~0)."""
+    budgets, bs, hold = (0, 4, 8), 4, 4
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
+    ctl = BudgetController(
+        ControlConfig(budgets=budgets, hold_steps=hold, max_depth=15), flat, max_slots=bs
+    )
+    tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
+    for _ in range(100):
+        assert ctl.held_budget(bs) is None
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        budget = ctl.choose(fc, bs)
+        ctl.observe(fc, budget, torch.zeros(bs, dtype=torch.long))
+        for _ in range(hold - 1):
+            held = top_nodes(tree, ctl.held_budget(bs))
+            accept = torch.full((bs,), 4, dtype=torch.long)
+            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
+    column = budgets.index(budget)
+    assert fc.accept[:, column].mean().item() == pytest.approx(3.0, rel=0.1)
+    stats = ctl.stats()
+    assert stats.request_steps == 100 * hold * bs
+    assert stats.mean_observed_accept == pytest.approx(3.0)
+    assert stats.mean_predicted_accept == pytest.approx(3.0, rel=0.1)
+
+
 def test_choice_shrinks_at_a_compute_bound_batch():
     lp, tok = random_marginals(1, 15, 16, 64, seed=11, sharpness=4.0)
     chosen = {}

@@ -237,13 +237,16 @@ def test_auto_budget_changes_budgets_not_tokens():
     ar = SpecEngine(target, method="ar")
     auto = SpecEngine(target, drafter, "ddtree", budget=16, auto=True)
     assert auto.config.budgets == (0, 4, 8, 16)
-    served = set()
+    served, drafted = set(), 0
     for kwargs in ({}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}):
         want = [r.tokens for r in ar.generate(prompts, 48, stop_token_ids=[], **kwargs)]
         results = auto.generate(prompts, 48, stop_token_ids=[], **kwargs)
         assert [r.tokens for r in results] == want
         served |= {b for r in results for b in r.stats.budgets}
+        drafted += sum(b > 0 for r in results for b in r.stats.budgets)
     assert served == {0, 4, 8, 16}, served
+    # Every drafted request-step calibrates (forecast, held, profiled or explored alike).
+    assert auto.controller.stats().request_steps == drafted
     # A random drafter is no use: once profiled, auto decodes plainly (and drafts to probe;
     # a forecast that errs on a step-time cell measured under load drafts for HOLD_STEPS).
     assert Counter(results[0].stats.budgets).most_common(1)[0][0] == 0

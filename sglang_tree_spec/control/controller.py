@@ -97,15 +97,15 @@ class ControlConfig:
         alone: one fresh time in a window of old ones would not move its median. The latency
         model's load already rescales times taken at another speed of the machine; this is
         for what changed the cell itself (longer contexts, other requests).
-    hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the
-        forecast step included) while the batch is the same: the steps after it draft and build
-        at that budget alone, like a fixed budget (no forecast, no ranking, no calibration
-        update, a tree no larger than verified). 1: every drafted step forecasts. As many
-        requests arriving as the batch holds (a renewed batch), a batch that grows, a probe,
-        the profile and an exploration step end a hold; one request of several arriving does
-        not (at concurrency 2-8 one arrives every few steps, and forecast steps cost more than
-        held ones), nor do requests leaving: the rest were forecast, and a smaller batch costs
-        less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
+    hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the forecast
+        step included) while the batch is the same: the steps after it draft and build at that
+        budget alone, like a fixed budget (no forecast, no ranking, a tree no larger than verified;
+        the calibration still learns from them, :meth:`observe_held`). 1: every drafted step
+        forecasts. As many requests arriving as the batch holds (a renewed batch), a batch that
+        grows, a probe, the profile and an exploration step end a hold; one request of several
+        arriving does not (at concurrency 2-8 one arrives every few steps, and forecast steps cost
+        more than held ones), nor do requests leaving: the rest were forecast, and a smaller batch
+        costs less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
         and ending the hold there made every second step of the tail a forecast).
     tie_rtol: objectives within this relative margin of the best count as ties.
     hard_plain_steps: a forecast that prefers plain steps while drafting pays on average (a
@@ -444,14 +444,45 @@ class BudgetController:
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return
+        f = forecast
+        self._learn(f.rows, f.probs[:, :n], f.depths[:, :n], f.weights[:, :n], f.request_scale,
+                    accept_len)  # fmt: skip
+
+    def observe_held(
+        self,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        depths: torch.Tensor,
+        valid: torch.Tensor,
+        accept_len: torch.Tensor,
+    ) -> None:
+        """Sync-free update after a drafted step that did not forecast (held, explored or
+        profiled; auto only) verified the DDTree whose ``DraftTree`` fields are given
+        (``[bs, N]``). Forecast steps are the hard ones (a request's first steps, the step
+        after a plain run): calibrated on them alone, the predictions would be right there and
+        low for the held steps each forecast governs, and a uniformly low A compresses the
+        ratios (1 + A(N)) / (1 + A(N')) toward the smaller budget. Every drafted step is
+        calibrated and counted instead. A sum over nodes needs no ranking: ``exp`` of the
+        valid nodes' log-probs is the raw surrogate."""
+        if not self.auto or logprobs.shape[1] == 0:
+            return
+        probs = torch.where(valid, logprobs.float(), float("-inf")).exp()  # [bs, N]
+        weights = self.calibrator.node_weights(probs, depths)
+        scale = self.calibrator.request_scale(rows)
+        self._learn(rows, probs, depths, weights, scale, accept_len)
+
+    def _learn(self, rows, probs, depths, weights, scale, accept_len) -> None:
+        """Fold one verified step into the calibration and the predicted/observed totals
+        (``[bs, n]`` raw and depth-calibrated probabilities and depths of the verified nodes,
+        ``[bs]`` r_i and accepted draft tokens)."""
         cal = self.calibrator
-        mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
-        depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        predicted = (depth_cal * forecast.request_scale).clamp_(0.0, float(self.config.max_depth))
+        mass = cal.depth_mass(probs, depths)  # [bs, L+1]
+        depth_cal = weights.sum(1)  # [bs]
+        predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accept = accept_len.to(predicted.dtype)
         self._totals.add_(torch.stack([predicted.sum(), accept.sum()]))
         self._request_steps += accept.numel()
-        cal.update(forecast.rows, mass, depth_cal, accept)
+        cal.update(rows, mass, depth_cal, accept)
 
     def record_step(
         self,

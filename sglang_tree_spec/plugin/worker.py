@@ -44,7 +44,7 @@ from sglang_tree_spec.plugin.pending import RecentOutputs
 from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_seed
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
-from sglang_tree_spec.step_times import PhaseTimer
+from sglang_tree_spec.step_times import PhaseTimer, StepLog
 from sglang_tree_spec.tree.draft_vocab import DraftVocab, check_token_map, draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,10 @@ def _define_worker() -> type:
             self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
-            self._open_step: tuple[int, int, bool, bool, int, float] | None = None  # _time_steps
+            # _time_steps: (bs, budget, drafted, forecast, forwards, committed, start)
+            self._open_step: tuple[int, int, bool, bool, int, Any, float] | None = None
+            label = "auto" if self.config.auto else str(self.config.budget)
+            self._step_log = StepLog.from_env(label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
@@ -344,7 +347,10 @@ def _define_worker() -> type:
             )
             drafted = result.topk_logprobs is not None
             bs = len(batch.reqs)
-            self._open_step = (bs, result.budget, drafted, result.forecast, result.forwards, start)
+            committed = result.commit_lens if self._step_log is not None else None
+            self._open_step = (
+                bs, result.budget, drafted, result.forecast, result.forwards, committed, start
+            )  # fmt: skip
             self._log_budgets(bs)
             new_seq_lens = prefix_lens + result.commit_lens
             if on_publish is not None:
@@ -378,11 +384,17 @@ def _define_worker() -> type:
             when nothing but the scheduler ran between them. That period is what a step costs
             the server (the scheduler's output processing and scheduling included, which the
             step alone would leave out), and it needs no device sync: the scheduler's own
-            read of each step's tokens bounds it. Returns this step's start."""
+            read of each step's tokens bounds it. Returns this step's start. With
+            ``SGLANG_TREE_SPEC_STEP_LOG``, the closed step's line (:class:`StepLog`)."""
             now = time.perf_counter()
             if self._open_step is not None:
-                bs, budget, drafted, forecast, forwards, start = self._open_step
+                bs, budget, drafted, forecast, forwards, committed, start = self._open_step
                 self.controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
+                if self._step_log is not None:
+                    tokens = int(committed.sum())
+                    self._step_log.write(
+                        bs, budget, drafted, forecast, forwards, tokens, now - start
+                    )  # fmt: skip
             return now
 
         def _log_budgets(self, bs: int) -> None:
