@@ -12,6 +12,7 @@ from tree_helpers import random_marginals
 from sglang_tree_spec.control import (
     DEVICES,
     MODEL_SHAPES,
+    AcceptCalibrator,
     BudgetController,
     CalibrationConfig,
     ControlConfig,
@@ -172,6 +173,23 @@ def test_calibration_converges_to_observed_rates_per_request_and_resets():
     ctl.reset(torch.tensor([1]))
     assert ctl.calibrator.request_scale(torch.tensor([0, 1]))[1].item() == 1.0
     assert ctl.calibrator.request_scale(torch.tensor([0]))[0].item() != pytest.approx(1.0)
+
+
+def test_one_unlucky_step_does_not_cut_a_new_requests_predictions():
+    """One step's acceptance is noisy (0..L for the same tree): a step that accepts nothing
+    where 2 were predicted says little about the request. In small-pair server traces with a
+    weak per-request prior (1 token, decay 0.9), requests whose factor had fallen below 0.8
+    accepted 1.3-2.5x their predictions (more plain steps chosen than paid); the prior of 16
+    tokens keeps one empty step within 15% of 1, while 100 steps at half the prediction still
+    bring the factor near 1/2."""
+    cal = AcceptCalibrator(max_slots=2, max_depth=4)
+    rows, mass = torch.tensor([0]), torch.zeros(1, 5)
+    cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([0.0]))
+    assert cal.request_scale(rows).item() > 0.85
+    for _ in range(100):
+        cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([1.0]))
+    assert cal.request_scale(rows).item() < 0.6
+    assert cal.request_scale(torch.tensor([1])).item() == 1.0  # another slot: untouched
 
 
 def test_per_depth_calibration_tracks_depth_acceptance():

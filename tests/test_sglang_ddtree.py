@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_helpers import load_benchmark
 from hostile_requests import assert_refused_and_still_serving, constrained_requests
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -468,12 +469,15 @@ def test_plain_steps_of_two_forwards_equal_no_speculation(
 
 @pytest.mark.parametrize("graft", ["none", "unified"])
 def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
-    graft, pair, prompts, baseline, seeded_outputs, offline_target, tmp_path_factory
+    graft, pair, prompts, baseline, seeded_outputs, offline_target, tmp_path_factory, monkeypatch
 ):
     """``--speculative-ddtree-budget auto`` (the default): the batch's budget changes between
     steps (profiled, then chosen), and no token changes: greedy equals no speculation, and a
-    seeded sample equals the fixed budgets' and the target alone's."""
+    seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
+    writes a line per decode step: held, forecast and plain steps at the candidates."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
+    step_log = log.parent / "steps"
+    monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_LOG", str(step_log))
     command = [*server_command(pair, free_port(), 32, "auto"), "--speculative-ddtree-graft", graft]
     command.append("--enable-metrics")
     for server in running_server(command, log):
@@ -491,6 +495,12 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     assert "auto over (0, 4, 8, 16, 32)" in text
     counts = re.findall(r"DDTREE budgets over \d+ steps: (\{[^}]*\})", text)
     assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen
+    (path,) = step_log.glob("steps_auto_*.csv")
+    table = load_benchmark("step_log_report").report(path)
+    kinds = {(row.split(" | ")[0][2:], int(row.split(" | ")[1])) for row in table.splitlines()[3:]}
+    assert {budget for _, budget in kinds} <= {0, 4, 8, 16, 32}
+    assert {kind for kind, _ in kinds} == {"forecast", "held", "plain"}, table
+    assert ("plain", 0) in kinds and all(b > 0 for k, b in kinds if k != "plain"), table
 
 
 @pytest.mark.parametrize("graft", ["unified", "stage"])

@@ -9,7 +9,8 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   first N nodes by score are the optimal N-tree (nesting), and its expected accepted length is
   the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
-  estimators rescale the surrogate toward the observed accepted lengths.
+  estimators rescale the surrogate toward the observed accepted lengths of EVERY drafted step
+  (forecast or held: forecast steps alone are the hard ones, and would calibrate low).
 * Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, each
   divided by the machine's load when measured and read back times today's (so cells measured
   at different speeds of the machine compare as budgets), else the column's measured
@@ -43,6 +44,8 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...
     if fc is not None:
         ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
+    elif held:                                           # the DDTree at n, no ranking
+        ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len)
     ... the step's own end-of-step sync (committing tokens) ...
     ctl.record_step(bs, n, time.perf_counter() - t0, drafted, fc is not None)  # host
     ctl.stats()                                          # every K steps, for logs / metrics
