@@ -75,14 +75,14 @@ class AcceptCalibrator:
         self._depth_ids = torch.arange(max_depth + 1, device=device)
         self._depth_ids[0] = max_depth + 1
 
-    def _depth_table(self) -> torch.Tensor:
-        """``[L+1]`` s_d at column d."""
+    def depth_table(self) -> torch.Tensor:
+        """``[L+1]`` s_d at column d (column 0: no depth, never read by a mass)."""
         c = self.config.depth_prior
         return (self.depth_sums[1] + c) / (self.depth_sums[0] + c)
 
     def depth_scale(self) -> torch.Tensor:
         """``[L]`` s_d."""
-        return self._depth_table()[1:]
+        return self.depth_table()[1:]
 
     def request_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """``[bs]`` r_i for the batch's slots ``rows`` (``[bs]`` int64)."""
@@ -92,7 +92,7 @@ class AcceptCalibrator:
 
     def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u) (depths in 1..L)."""
-        return probs * self._depth_table()[depths]
+        return probs * self.depth_table()[depths]
 
     def depth_mass(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """``[bs, L+1]`` predicted mass per depth (column d) of the given nodes (``[bs, n]``
@@ -118,10 +118,10 @@ class AcceptCalibrator:
         """
         cfg = self.config
         observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L+1]
-        step = torch.stack([mass.sum(0), observed.sum(0)])  # [2, L+1]
+        step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
         self.depth_sums.mul_(cfg.depth_decay).add_(step)
         request = torch.stack([calibrated_pred, accept], dim=1)  # [bs, 2]
-        self.request_sums[rows] = self.request_sums[rows] * cfg.request_decay + request
+        self.request_sums[rows] = request.add_(self.request_sums[rows], alpha=cfg.request_decay)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""

@@ -444,9 +444,10 @@ class BudgetController:
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return
-        f = forecast
-        self._learn(f.rows, f.probs[:, :n], f.depths[:, :n], f.weights[:, :n], f.request_scale,
-                    accept_len)  # fmt: skip
+        cal = self.calibrator
+        mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
+        depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
+        self._learn(forecast.rows, mass, depth_cal, forecast.request_scale, accept_len)
 
     def observe_held(
         self,
@@ -462,27 +463,25 @@ class BudgetController:
         after a plain run): calibrated on them alone, the predictions would be right there and
         low for the held steps each forecast governs, and a uniformly low A compresses the
         ratios (1 + A(N)) / (1 + A(N')) toward the smaller budget. Every drafted step is
-        calibrated and counted instead. A sum over nodes needs no ranking: ``exp`` of the
-        valid nodes' log-probs is the raw surrogate."""
+        calibrated and counted instead. Sums over nodes need no ranking: the raw mass per
+        depth is one scatter of the valid nodes' probabilities, its calibrated sum one
+        product with the depth factors (~20 small ops, ~0.1 ms on this CPU)."""
         if not self.auto or logprobs.shape[1] == 0:
             return
-        probs = torch.where(valid, logprobs.float(), float("-inf")).exp()  # [bs, N]
-        weights = self.calibrator.node_weights(probs, depths)
-        scale = self.calibrator.request_scale(rows)
-        self._learn(rows, probs, depths, weights, scale, accept_len)
-
-    def _learn(self, rows, probs, depths, weights, scale, accept_len) -> None:
-        """Fold one verified step into the calibration and the predicted/observed totals
-        (``[bs, n]`` raw and depth-calibrated probabilities and depths of the verified nodes,
-        ``[bs]`` r_i and accepted draft tokens)."""
         cal = self.calibrator
+        probs = logprobs.float().exp().masked_fill_(~valid, 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
-        depth_cal = weights.sum(1)  # [bs]
+        self._learn(rows, mass, mass @ cal.depth_table(), cal.request_scale(rows), accept_len)
+
+    def _learn(self, rows, mass, depth_cal, scale, accept_len) -> None:
+        """Fold one verified step into the calibration and the predicted/observed totals:
+        ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i and
+        accepted draft tokens."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accept = accept_len.to(predicted.dtype)
-        self._totals.add_(torch.stack([predicted.sum(), accept.sum()]))
+        self._totals.add_(torch.stack([predicted, accept]).sum(1))
         self._request_steps += accept.numel()
-        cal.update(rows, mass, depth_cal, accept)
+        self.calibrator.update(rows, mass, depth_cal, accept)
 
     def record_step(
         self,
