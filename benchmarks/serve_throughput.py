@@ -309,6 +309,39 @@ def table_rows(results: dict[str, list]) -> list[dict]:
     return rows
 
 
+def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
+    """Per concurrency that ran ``ddtree:auto`` and fixed ``ddtree:N`` budgets: the best fixed
+    budget (by tok/s), auto's tok/s over it, and the per-wave ratios (wave i of every
+    configuration ran in the same interleaved round): their spread is what one run can
+    resolve. The best of several fixed figures is itself the luckiest of them, so a ratio
+    to it reads low by about one wave-spread over sqrt(waves) when the budgets are close."""
+    summary = []
+    for conc in sorted({r["concurrency"] for r in rows}):
+        at = {r["config"]: r for r in rows if r["concurrency"] == conc}
+        fixed = [c for c in at if c.startswith("ddtree:") and c.removeprefix("ddtree:").isdigit()]
+        if "ddtree:auto" not in at or not fixed:
+            continue
+        auto = at["ddtree:auto"]
+        best = max(fixed, key=lambda c: at[c]["output_tokens_per_s"])
+        waves = [
+            a / b
+            for a, b in zip(
+                auto["repeats_tokens_per_s"], at[best]["repeats_tokens_per_s"], strict=True
+            )
+        ]
+        summary.append(
+            {
+                "concurrency": conc,
+                "best_fixed": best,
+                "ratio": auto["output_tokens_per_s"] / at[best]["output_tokens_per_s"],
+                "wave_median": statistics.median(waves),
+                "wave_min": min(waves),
+                "wave_max": max(waves),
+            }
+        )
+    return summary
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     """The table people read: one line per configuration and concurrency."""
     lines = [
@@ -344,6 +377,21 @@ def markdown(rows: list[dict], env: dict) -> str:
             f"| {r['mismatched_outputs'] if r['mismatched_outputs'] is not None else '-'} "
             f"| {budgets} | {pred_obs} | {err} |"
         )
+    versus = auto_vs_best_fixed(rows)
+    if versus:
+        lines += [
+            "",
+            "Auto against the best fixed budget of each concurrency (per wave: auto's wave over "
+            "the best fixed budget's wave of the same round):",
+            "",
+            "| conc | best fixed | auto / best | per-wave median | per-wave range |",
+            "|---:|---|---:|---:|---|",
+        ]
+        lines += [
+            f"| {v['concurrency']} | {v['best_fixed']} | {v['ratio']:.3f} | "
+            f"{v['wave_median']:.3f} | {v['wave_min']:.2f}-{v['wave_max']:.2f} |"
+            for v in versus
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,45 @@
+"""benchmarks/serve_throughput.py's summary of auto against the best fixed budget."""
+
+from __future__ import annotations
+
+import pytest
+from benchmark_helpers import load_benchmark
+
+
+def row(config: str, conc: int, waves: list[float]) -> dict:
+    return {
+        "config": config,
+        "concurrency": conc,
+        "output_tokens_per_s": sum(waves) / len(waves),
+        "repeats_tokens_per_s": waves,
+    }
+
+
+def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurrency():
+    bench = load_benchmark("serve_throughput")
+    rows = [
+        row("none", 1, [50.0, 50.0, 50.0]),
+        row("chain", 1, [200.0, 200.0, 200.0]),  # not a ddtree budget: never "best fixed"
+        row("ddtree:4", 1, [90.0, 110.0, 100.0]),
+        row("ddtree:8", 1, [120.0, 100.0, 110.0]),  # best at 1 (110 tok/s)
+        row("ddtree:auto", 1, [60.0, 100.0, 110.0]),
+        row("ddtree:4", 2, [100.0, 100.0]),
+        row("ddtree:auto", 2, [90.0, 110.0]),
+        row("ddtree:8", 4, [100.0]),  # no auto at 4: no line
+    ]
+    first, second = bench.auto_vs_best_fixed(rows)
+    assert first["concurrency"] == 1 and first["best_fixed"] == "ddtree:8"
+    assert first["ratio"] == pytest.approx(90.0 / 110.0)
+    # wave i against wave i: 0.5, 1.0, 1.0 (sorted or pooled pairs would differ)
+    assert (first["wave_min"], first["wave_median"], first["wave_max"]) == (0.5, 1.0, 1.0)
+    assert second["best_fixed"] == "ddtree:4" and second["ratio"] == pytest.approx(1.0)
+    assert (second["wave_min"], second["wave_max"]) == (0.9, 1.1)
+    table = bench.markdown(
+        [r | {"tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
+              "mismatched_outputs": 0, "speedup_vs_none": None,
+              "control": {"predicted_accept": None, "step_time_error": None, "budget_steps": {}}}
+         for r in rows],
+        {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+         "command": "c"},
+    )  # fmt: skip
+    assert "| 1 | ddtree:8 | 0.818 | 1.000 | 0.50-1.00 |" in table
