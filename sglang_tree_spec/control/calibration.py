@@ -40,7 +40,7 @@ class CalibrationConfig:
         request_decay: per-request sums.
         request_prior: pseudo-count c_r of the per-request ratio (in accepted tokens). One
             step's acceptance is noisy (0..L for the same tree), so the factor is shrunk hard
-            toward 1: replaying small-pair server traces (SGLang, concurrency 2-4, 3850
+            toward 1: replaying small-pair server traces (SGLang, concurrency 2-4, 3906
             request-steps), decay 0.9 with c_r = 1 gave a squared error of 1.04 per step and
             requests whose factor had fallen below 0.8 accepted 1.3-2.5x their predictions,
             which then chose plain steps; decay 0.98 with c_r = 16 gives 0.92 and a factor
