@@ -255,8 +255,12 @@ def decode_step(
         )
         if forecast is not None:
             controller.observe(forecast, budget, accept.accept_len)
-        elif selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate
-            controller.observe_held(rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len)
+        else:
+            controller.observe_committed(budget, accept.accept_len)
+            if selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate
+                controller.observe_held(
+                    rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len
+                )
         forwards = 1
     else:
         controller.choose(None, bs)

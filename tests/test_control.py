@@ -429,6 +429,30 @@ def test_a_hard_step_amid_paying_drafts_takes_hard_plain_steps_then_forecasts_ag
     assert max(map(len, plain_runs)) >= 8  # not paying on average: probes at growing intervals
 
 
+def test_held_steps_that_pay_keep_a_hard_forecast_from_starting_a_plain_run():
+    """Whether drafting pays on average counts the held steps too (committed tokens per request
+    against the step's cost in plain forwards), not the forecast steps alone, which are the hard
+    ones: after held steps committing 8 tokens a request, a forecast preferring plain steps takes
+    ``hard_plain_steps`` plain steps and a probe; after held steps committing 1 (a drafter that
+    does not pay), the same forecast starts a plain run probed at ``probe_every``."""
+
+    def plain_steps_after(held_accept: int) -> int:
+        ctl = roofline_controller(probe_every=8, probe_max_every=64, hard_plain_steps=1)
+        useless = strong_or_useless_tree(2, strong=False)
+        for _ in range(20):  # held steps at budget 16, two requests
+            ctl.observe_committed(16, torch.full((2,), held_accept, dtype=torch.long))
+        fc = ctl.forecast(torch.arange(2), useless.logprobs, useless.depths, useless.valid)
+        assert ctl.choose(fc, 2) == 4  # prefers plain steps; this drafted step verifies
+        steps = 0
+        while not ctl.should_draft(2):
+            assert ctl.choose(None, 2) == 0
+            steps += 1
+        return steps
+
+    assert plain_steps_after(7) == 1  # drafting pays on average: one hard plain step
+    assert plain_steps_after(0) == 7  # it does not: a plain run, the first probe after 8
+
+
 def test_one_lucky_probe_does_not_restart_a_useless_drafter():
     """A probe whose own forecast pays (one likely token) but leaves the drafted steps'
     average below a plain step's rate verifies its tree and keeps the plain run; a strong

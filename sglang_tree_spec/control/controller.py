@@ -241,6 +241,11 @@ class BudgetController:
         self._last_verified: int | None = None  # the last forecast step's verified budget
         # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
         self._drafted_gain = [0.0, 0.0]
+        # the same sums over the held steps since the last forecast (tokens on the device, read
+        # with the next forecast's totals), and how many steps they cover
+        self._held_tokens = torch.zeros((), dtype=torch.float32, device=device)
+        self._held_cost = 0.0
+        self._held_steps = 0
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
@@ -380,7 +385,9 @@ class BudgetController:
             return self._count(0)
         self._steps_since_draft = self._arrivals = 0
         self._drafted_steps += 1
-        totals = (1.0 + forecast.accept).sum(0).tolist()  # the one host read per step
+        totals_t = (1.0 + forecast.accept).sum(0)  # [C]
+        *totals, held_tokens = torch.cat([totals_t, self._held_tokens.view(1)]).tolist()  # THE read
+        self._fold_held(held_tokens)
         seconds = self.latency.row(bs)
         choice = partial(
             best_budget,
@@ -425,6 +432,34 @@ class BudgetController:
             for b, r in zip(budgets, rates, strict=True)
             if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0)
         ]
+
+    def observe_committed(self, budget: int, accept_len: torch.Tensor) -> None:
+        """Sync-free, after a drafted step that did not forecast (held, explored or profiled;
+        auto with plain steps among the candidates): its committed tokens per request and its
+        cost in plain forwards join the drafting-pays average at the next forecast's host read.
+        Forecast steps alone would be a biased sample: they are the hard ones (a request's first
+        steps, the probe after a plain step), and on them alone drafting looked not to pay
+        where the held steps it governs did (plain runs at concurrency 2 on this CPU)."""
+        if not self.auto or self.config.budgets[0] != 0 or budget == 0:
+            return
+        decay = self.config.plain_decay
+        seconds = self.latency.row(accept_len.numel())
+        tokens = accept_len.float().mean().add_(1.0)
+        self._held_tokens.mul_(decay).add_(tokens)
+        self._held_cost = (
+            decay * self._held_cost + seconds[self.config.budgets.index(budget)] / seconds[0]
+        )
+        self._held_steps += 1
+
+    def _fold_held(self, held_tokens: float) -> None:
+        """Host: the held steps since the last forecast (:meth:`observe_committed`) join the
+        drafted steps' decayed sums, in order."""
+        if self._held_steps:
+            weight, gain = self.config.plain_decay**self._held_steps, self._drafted_gain
+            gain[0] = weight * gain[0] + held_tokens
+            gain[1] = weight * gain[1] + self._held_cost
+            self._held_tokens.zero_()
+            self._held_cost, self._held_steps = 0.0, 0
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
         decay, gain = self.config.plain_decay, self._drafted_gain
