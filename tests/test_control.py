@@ -767,6 +767,26 @@ def test_exploration_re_measures_plain_steps_while_auto_drafts():
     assert len({after[i][0] for i in (4, 8, 12)} - {best}) == 3  # then the stalest > 0
 
 
+def test_an_exploration_takes_one_plain_step_even_when_its_time_is_lost():
+    """The exploration's plain step comes once per exploration: when its time is not recorded
+    (the SGLang worker drops a step's time when a prefill runs before the next step), budget 0
+    stays the stalest cell, and the exploration still drafts next (it once took plain steps
+    until the batch changed)."""
+    ctl = roofline_controller(profile_steps=1, explore_every=4)
+    tree = strong_or_useless_tree(1, strong=True)
+    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    drafted_flags = []
+    for _ in range(len(ctl.config.budgets) + 40):  # the profile, then 40 steps
+        budget, drafted = step_budget(ctl, 1, fc)
+        if drafted or ctl.latency.count[0][0] == 0:  # the profile's plain step alone is timed
+            ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)
+        drafted_flags.append(drafted)
+    after = drafted_flags[len(ctl.config.budgets) :]
+    plain = [i for i, drafted in enumerate(after) if not drafted]
+    assert ctl.latency.count[0][0] == 1
+    assert len(plain) >= 4 and all(b - a >= 4 for a, b in itertools.pairwise(plain))
+
+
 def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
     """After the profile, every ``explore_every``-th drafted step takes the budget > 0
     measured longest ago, whatever the model prefers, without a forecast (it costs what a

@@ -238,6 +238,7 @@ class BudgetController:
         self._steps_since_draft = 0
         self._arrivals = 0  # requests arrived since the last forecast
         self._drafted_steps = 0  # drafted auto steps after the profile (held ones too)
+        self._plain_explored = -1  # the drafted-step count at the last plain exploration step
         self._last_verified: int | None = None  # the last forecast step's verified budget
         # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
         self._drafted_gain = [0.0, 0.0]
@@ -279,10 +280,18 @@ class BudgetController:
         return min(budgets, key=lambda b: stamps.get(b, -1))
 
     def _explores_plain(self, bs: int) -> bool:
-        """The next drafted step is an exploration step and budget 0's cell is the stalest
-        contender: take a plain step instead (C(bs, 0) is measured by plain steps only, and
-        auto sitting at a budget > 0 takes none)."""
-        return self._explores_next() and self._stalest(bs, drafted=False) == 0
+        """The next drafted step is an exploration step, budget 0's cell is the stalest
+        contender and no plain step has explored it yet: take one plain step first (C(bs, 0)
+        is measured by plain steps only, and auto sitting at a budget > 0 takes none). Once:
+        a plain step does not advance the drafted steps, so the exploration stays next, and
+        budget 0 can stay the stalest (its new time not recorded, or stamped at the same
+        drafted step as another contender's); without the mark every later step was plain
+        (whole waves of plain steps at concurrency 1 and 4 through SGLang)."""
+        return (
+            self._explores_next()
+            and self._plain_explored != self._drafted_steps
+            and self._stalest(bs, drafted=False) == 0
+        )
 
     def _explores_next(self) -> bool:
         """The next drafted step after the profile is an exploration step."""
@@ -382,6 +391,8 @@ class BudgetController:
             return self._count(self.config.fixed_budget)
         if forecast is None:
             self._steps_since_draft += 1
+            if not self._plain and self._to_profile(bs) is None and self._explores_plain(bs):
+                self._plain_explored = self._drafted_steps  # the exploration drafts next
             return self._count(0)
         self._steps_since_draft = self._arrivals = 0
         self._drafted_steps += 1
