@@ -55,6 +55,12 @@ HOLD_STEPS = 8
 # (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
 # 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8.
 HARD_PLAIN_STEPS = 1
+# Auto: the long-run average of what drafting pays (ControlConfig.plain_long_decay), a window of
+# ~200 drafted steps beside the recent one's ~20: a plain run starts only when neither pays. On
+# the recent average alone, hard stretches at concurrency 1 on this CPU started plain runs whose
+# probes, at growing intervals, outlived them (whole requests in plain steps at 0.68x the
+# tokens/s of B 16's steps; small pair through SGLang, per-step logs).
+PLAIN_LONG_DECAY = 0.995
 # Auto: a larger budget is chosen only when its predicted accepted tokens per second beat the
 # best smaller one's by this margin (ControlConfig.tie_rtol). Neighbouring budgets' predicted
 # rates are often within a few percent, closer than the latency model's error (~5-10% on CPU);
@@ -364,7 +370,7 @@ def make_controller(
     a choice holds for
     ``HOLD_STEPS`` drafted steps; a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
-    drafting pays on average)."""
+    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
@@ -379,6 +385,7 @@ def make_controller(
         hold_steps=HOLD_STEPS,
         tie_rtol=TIE_RTOL,
         hard_plain_steps=HARD_PLAIN_STEPS,
+        plain_long_decay=PLAIN_LONG_DECAY,
     )
     return BudgetController(auto, latency, max_slots, device)
 

@@ -453,6 +453,33 @@ def test_held_steps_that_pay_keep_a_hard_forecast_from_starting_a_plain_run():
     assert plain_steps_after(0) == 7  # it does not: a plain run, the first probe after 8
 
 
+def test_a_hard_stretch_does_not_start_a_plain_run_while_drafting_pays_in_the_long_run():
+    """100 held steps paying twice what plain steps would, then 40 hard ones paying half, then
+    a forecast preferring plain steps: on the recent average alone a plain run starts; with the
+    long-run average (``plain_long_decay``) drafting still pays, the step verifies at the
+    cheapest budget > 0 and that budget holds, like any choice, for ``hold_steps - 1`` drafted
+    steps. A drafter that never paid gets its plain run either way."""
+    budgets = (0, 4, 8)
+    flat = LatencyModel([[0.01, 0.02, 0.02]] * 3, budgets, bs_buckets=(1, 2, 64))
+    useless = strong_or_useless_tree(2, strong=False, budget=8)
+
+    def after(held_accepts: list[int], long_decay: float | None) -> BudgetController:
+        config = ControlConfig(budgets=budgets, plain_long_decay=long_decay, hold_steps=4)
+        ctl = BudgetController(config, flat, max_slots=2)
+        for accept in held_accepts:  # held steps at budget 4 (two plain forwards' time)
+            ctl.observe_committed(4, torch.full((2,), accept, dtype=torch.long))
+        fc = ctl.forecast(torch.arange(2), useless.logprobs, useless.depths, useless.valid)
+        assert ctl.choose(fc, 2) == 4
+        return ctl
+
+    stretch = [3] * 100 + [0] * 40  # 4 tokens a request, then 1, for two forwards' time
+    assert not after(stretch, None).should_draft(2)  # recent average alone: a plain run
+    both = after(stretch, 0.995)
+    assert both.should_draft(2)
+    assert [both.held_budget(2) for _ in range(4)] == [4, 4, 4, None]  # held, then forecast
+    assert not after([0] * 140, 0.995).should_draft(2)  # never paid: a plain run
+
+
 def test_one_lucky_probe_does_not_restart_a_useless_drafter():
     """A probe whose own forecast pays (one likely token) but leaves the drafted steps'
     average below a plain step's rate verifies its tree and keeps the plain run; a strong

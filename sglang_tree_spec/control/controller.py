@@ -108,6 +108,12 @@ class ControlConfig:
         costs less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
         and ending the hold there made every second step of the tail a forecast).
     tie_rtol: objectives within this relative margin of the best count as ties.
+    plain_long_decay: a second, long-run average of the same sums (this factor per drafted
+        step; None: none). With it, drafting "does not pay" only when neither average pays:
+        a hard stretch that pulls the recent average under a plain step's rate, for a drafter
+        that pays on the whole, takes ``hard_plain_steps`` plain steps at a time (or, with
+        none, verifies the cheapest budget > 0, which holds like any choice) instead of a
+        plain run whose probes at growing intervals outlive the stretch.
     hard_plain_steps: a forecast that prefers plain steps while drafting pays on average (a
         hard stretch of text, not a useless drafter) is followed by this many plain steps,
         then a probe (0: none, drafting goes on). Hard text comes in stretches: the step after
@@ -128,6 +134,7 @@ class ControlConfig:
     explore_margin: float = 1.0
     hold_steps: int = 1
     tie_rtol: float = 1e-6
+    plain_long_decay: float | None = None
     hard_plain_steps: int = 0
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -142,6 +149,8 @@ class ControlConfig:
             )
         if not 0.0 <= self.plain_decay < 1.0:
             raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
+        if self.plain_long_decay is not None and not 0.0 <= self.plain_long_decay < 1.0:
+            raise ValueError(f"plain_long_decay must be in [0, 1), got {self.plain_long_decay}")
         if self.hold_steps < 1 or self.explore_steps < 1:
             raise ValueError(
                 f"hold_steps and explore_steps must be >= 1: {self.hold_steps}, "
@@ -240,12 +249,16 @@ class BudgetController:
         self._drafted_steps = 0  # drafted auto steps after the profile (held ones too)
         self._plain_explored = -1  # the drafted-step count at the last plain exploration step
         self._last_verified: int | None = None  # the last forecast step's verified budget
-        # decayed sums over drafted steps: committed tokens per request, step time / C(bs, 0)
-        self._drafted_gain = [0.0, 0.0]
+        # per average (recent: plain_decay; long-run: plain_long_decay), decayed sums over
+        # drafted steps of committed tokens per request and of step time / C(bs, 0)
+        long = config.plain_long_decay
+        self._gain_decays = (config.plain_decay,) + (() if long is None else (long,))
+        self._drafted_gain = [[0.0, 0.0] for _ in self._gain_decays]
         # the same sums over the held steps since the last forecast (tokens on the device, read
         # with the next forecast's totals), and how many steps they cover
-        self._held_tokens = torch.zeros((), dtype=torch.float32, device=device)
-        self._held_cost = 0.0
+        self._held_decays = torch.tensor(self._gain_decays, device=device)
+        self._held_tokens = torch.zeros(len(self._gain_decays), device=device)
+        self._held_cost = [0.0 for _ in self._gain_decays]
         self._held_steps = 0
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
@@ -397,7 +410,8 @@ class BudgetController:
         self._steps_since_draft = self._arrivals = 0
         self._drafted_steps += 1
         totals_t = (1.0 + forecast.accept).sum(0)  # [C]
-        *totals, held_tokens = torch.cat([totals_t, self._held_tokens.view(1)]).tolist()  # THE read
+        read = torch.cat([totals_t, self._held_tokens.to(totals_t.dtype)]).tolist()  # THE read
+        totals, held_tokens = read[: len(self.config.budgets)], read[len(self.config.budgets) :]
         self._fold_held(held_tokens)
         seconds = self.latency.row(bs)
         choice = partial(
@@ -424,8 +438,8 @@ class BudgetController:
             self._probe_interval = min(2 * self._probe_interval, self.config.probe_max_every)
         elif best == 0 and not pays:  # plain steps pay more, now and on average: a plain run
             self._plain = True
-        if best > 0 and self.config.hold_steps > 1:
-            self._hold = (best, bs, self.config.hold_steps - 1)
+        if not self._plain and self.config.hold_steps > 1:  # best, or the cheapest > 0
+            self._hold = (verified, bs, self.config.hold_steps - 1)
         self._last_verified = verified
         return self._count(verified)
 
@@ -453,35 +467,36 @@ class BudgetController:
         where the held steps it governs did (plain runs at concurrency 2 on this CPU)."""
         if not self.auto or self.config.budgets[0] != 0 or budget == 0:
             return
-        decay = self.config.plain_decay
         seconds = self.latency.row(accept_len.numel())
-        tokens = accept_len.float().mean().add_(1.0)
-        self._held_tokens.mul_(decay).add_(tokens)
-        self._held_cost = (
-            decay * self._held_cost + seconds[self.config.budgets.index(budget)] / seconds[0]
-        )
+        cost = seconds[self.config.budgets.index(budget)] / seconds[0]
+        self._held_tokens.mul_(self._held_decays).add_(accept_len.float().mean().add_(1.0))
+        decays = zip(self._gain_decays, self._held_cost, strict=True)
+        self._held_cost = [d * c + cost for d, c in decays]
         self._held_steps += 1
 
-    def _fold_held(self, held_tokens: float) -> None:
+    def _fold_held(self, held_tokens: list[float]) -> None:
         """Host: the held steps since the last forecast (:meth:`observe_committed`) join the
         drafted steps' decayed sums, in order."""
-        if self._held_steps:
-            weight, gain = self.config.plain_decay**self._held_steps, self._drafted_gain
-            gain[0] = weight * gain[0] + held_tokens
-            gain[1] = weight * gain[1] + self._held_cost
-            self._held_tokens.zero_()
-            self._held_cost, self._held_steps = 0.0, 0
+        if not self._held_steps:
+            return
+        for decay, gain, tokens, cost in zip(
+            self._gain_decays, self._drafted_gain, held_tokens, self._held_cost, strict=True
+        ):
+            weight = decay**self._held_steps
+            gain[0], gain[1] = weight * gain[0] + tokens, weight * gain[1] + cost
+        self._held_tokens.zero_()
+        self._held_cost, self._held_steps = [0.0 for _ in self._gain_decays], 0
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
-        decay, gain = self.config.plain_decay, self._drafted_gain
-        gain[0] = decay * gain[0] + tokens_per_request
-        gain[1] = decay * gain[1] + plain_steps
+        for decay, gain in zip(self._gain_decays, self._drafted_gain, strict=True):
+            gain[0] = decay * gain[0] + tokens_per_request
+            gain[1] = decay * gain[1] + plain_steps
 
     def _drafting_pays(self) -> bool:
-        """Host: the drafted steps' decayed committed tokens per request exceed their decayed
-        step time in plain forwards (a plain forward commits one token per request)."""
-        tokens, plain_steps = self._drafted_gain
-        return tokens > plain_steps
+        """Host: in the recent or the long-run average (``ControlConfig.plain_long_decay``),
+        the drafted steps' decayed committed tokens per request exceed their decayed step time
+        in plain forwards (a plain forward commits one token per request)."""
+        return any(tokens > plain_steps for tokens, plain_steps in self._drafted_gain)
 
     def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
         """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
