@@ -18,9 +18,10 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   floats, ``record(bs, N, seconds)``.
 * Budget 0 is a plain decode step (no drafter; C(bs, 0) is per target forward, a step may run
   several); once a step's forecast chooses 0 and the
-  drafted steps' decayed average says drafting does not pay either, the steps skip drafting and
-  re-draft to re-forecast after ``probe_every`` steps, the interval doubling (up to
-  ``probe_max_every``) while that average still does not pay.
+  drafted steps' decayed averages (every drafted step's committed tokens per request against
+  its cost in plain forwards; a recent and a long-run one) say drafting does not pay either,
+  the steps skip drafting and re-draft to re-forecast after ``probe_every`` steps, the interval
+  doubling (up to ``probe_max_every``) while drafting still does not pay.
 
 Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``)::
 
@@ -45,6 +46,7 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     if fc is not None:
         ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
     elif held:                                           # the DDTree at n, no ranking
+        ctl.observe_committed(n, result.accept_len)      # sync-free: the drafting-pays sums
         ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len)
     ... the step's own end-of-step sync (committing tokens) ...
     ctl.record_step(bs, n, time.perf_counter() - t0, drafted, fc is not None)  # host
