@@ -68,8 +68,10 @@ class ControlConfig:
         every new request is forecast on its first decode step).
     probe_max_every: the longest interval between probes.
     plain_decay: plain runs start and end on what drafting pays ON AVERAGE: the drafted
-        steps' decayed sums (this factor per drafted step) of predicted committed tokens per
-        request and of step time in plain-step units (C(bs, N) / C(bs, 0)). A run starts when
+        steps' decayed sums (this factor per drafted step) of committed tokens per request
+        (a forecast step's predicted, every other drafted step's observed:
+        :meth:`BudgetController.observe_committed`) and of step time in plain-step units
+        (C(bs, N) / C(bs, 0)). A run starts when
         a step's forecast prefers plain steps and those sums say a drafted step commits fewer
         tokens per second than a plain one; it ends at the probe after which they say it
         commits more. One uncertain step amid predictable text does not stop a drafter that
