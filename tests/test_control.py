@@ -770,13 +770,19 @@ def test_a_row_never_predicts_a_bigger_tree_cheaper():
     assert row[4] >= row[3]  # unmeasured 32: at least 16's
 
 
+def exploring_controller():
+    """Auto at batch size 1 profiling each cell once, exploring every 4th drafted step, and a
+    strong drafter's forecast."""
+    ctl = roofline_controller(profile_steps=1, explore_every=4)
+    tree = strong_or_useless_tree(1, strong=True)
+    return ctl, ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+
+
 def test_exploration_re_measures_plain_steps_while_auto_drafts():
     """C(bs, 0) is measured by plain steps only: while auto sits at a budget > 0, the stalest
     cell is sometimes budget 0's, and then a plain step (no draft) comes right before the
     exploration step, which takes the stalest budget > 0. A strong drafter keeps auto drafting."""
-    ctl = roofline_controller(profile_steps=1, explore_every=4)
-    tree = strong_or_useless_tree(1, strong=True)
-    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    ctl, fc = exploring_controller()
     steps = []
     for _ in range(len(ctl.config.budgets) + 16):  # the profile, then 16 steps
         budget, drafted = step_budget(ctl, 1, fc)
@@ -799,9 +805,7 @@ def test_an_exploration_takes_one_plain_step_even_when_its_time_is_lost():
     (the SGLang worker drops a step's time when a prefill runs before the next step), budget 0
     stays the stalest cell, and the exploration still drafts next (it once took plain steps
     until the batch changed)."""
-    ctl = roofline_controller(profile_steps=1, explore_every=4)
-    tree = strong_or_useless_tree(1, strong=True)
-    fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+    ctl, fc = exploring_controller()
     drafted_flags = []
     for _ in range(len(ctl.config.budgets) + 40):  # the profile, then 40 steps
         budget, drafted = step_budget(ctl, 1, fc)
