@@ -619,18 +619,24 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     assert [fixed.held_budget(8) for _ in range(5)] == [16] * 5  # fixed: held for ever
     with pytest.raises(ValueError, match="hold_steps"):
         ControlConfig(hold_steps=0)
+    with pytest.raises(ValueError, match="held_observe_every"):
+        ControlConfig(held_observe_every=0)
 
 
-def test_held_steps_calibrate_the_forecasts_they_follow():
+@pytest.mark.parametrize("observe_every, mean", [(1, 3.0), (3, 2.0)])
+def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
     """Forecast steps are the hard ones (a request's first steps, the step after a plain run);
     the held steps each forecast governs calibrate too, so the forecasts predict the steps they
     govern: here every forecast step accepts nothing and every held step 4 tokens, and the
-    forecast predicts the mean of all steps, 3 (calibrated on forecast steps alone: ~0)."""
+    forecast predicts the mean of all steps, 3 (calibrated on forecast steps alone: ~0). With
+    ``held_observe_every=3`` one held step in three is observed (here one per hold of three):
+    forecast and observed steps alternate, and the calibrated mean is 2."""
     budgets, bs, hold = (0, 4, 8), 4, 4
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
-    ctl = BudgetController(
-        ControlConfig(budgets=budgets, hold_steps=hold, max_depth=15), flat, max_slots=bs
+    config = ControlConfig(
+        budgets=budgets, hold_steps=hold, max_depth=15, held_observe_every=observe_every
     )
+    ctl = BudgetController(config, flat, max_slots=bs)
     tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
     for _ in range(100):
         assert ctl.held_budget(bs) is None
@@ -642,11 +648,11 @@ def test_held_steps_calibrate_the_forecasts_they_follow():
             accept = torch.full((bs,), 4, dtype=torch.long)
             ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
     column = budgets.index(budget)
-    assert fc.accept[:, column].mean().item() == pytest.approx(3.0, rel=0.1)
+    assert fc.accept[:, column].mean().item() == pytest.approx(mean, rel=0.1)
     stats = ctl.stats()
-    assert stats.request_steps == 100 * hold * bs
-    assert stats.mean_observed_accept == pytest.approx(3.0)
-    assert stats.mean_predicted_accept == pytest.approx(3.0, rel=0.1)
+    assert stats.request_steps == 100 * (1 + (hold - 1) // observe_every) * bs
+    assert stats.mean_observed_accept == pytest.approx(mean)
+    assert stats.mean_predicted_accept == pytest.approx(mean, rel=0.1)
 
 
 def test_choice_shrinks_at_a_compute_bound_batch():

@@ -227,10 +227,13 @@ def test_bad_configuration_and_input_raise_clear_errors():
         SpecEngine(target, random_drafter(target, 8), method="ddtree", budget=0)
 
 
-def test_auto_budget_changes_budgets_not_tokens():
+def test_auto_budget_changes_budgets_not_tokens(monkeypatch):
     """``auto``: the budget moves between steps (the in-line profile of a batch of 4, a
     profiled size, alone visits every candidate) and the greedy tokens and seeded samples are
     those of plain decoding."""
+    from sglang_tree_spec import step
+
+    monkeypatch.setattr(step, "HELD_OBSERVE_EVERY", 1)  # every drafted step calibrates
     target = tiny_target("qwen3")
     drafter = random_drafter(target, 8, seed=3)
     prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6], [2, 2, 5]]
