@@ -12,8 +12,9 @@ defaults). Output tokens / simulated seconds then compares policies without this
 Policies: ``fixed:N``; ``auto`` (the product's controller, as ``step.make_controller`` sets it,
 with the table for its latency model: no start-up profile, no exploration), and ``auto`` with
 ``ControlConfig`` fields overridden: ``auto:hold=8:hard=1:tie=0.03:obs=4`` (``hold_steps``,
-``hard_plain_steps``, ``tie_rtol``, ``held_observe_every``). Batches are static (``--batch-size`` prompts from start to
-end, shrinking as they finish), not SGLang's continuous batching: arrivals are not simulated.
+``hard_plain_steps``, ``tie_rtol``, ``held_observe_every``). Batches are static
+(``--batch-size`` prompts from start to end, shrinking as they finish), not SGLang's continuous
+batching: arrivals are not simulated.
 
     python benchmarks/budget_sim.py --batch-sizes 2 4 8 --prompts 32 \\
         --policies fixed:4 fixed:8 fixed:16 auto auto:hard=0 auto:hold=4

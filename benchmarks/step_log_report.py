@@ -2,11 +2,14 @@
 
 One table per log file (one server: ``steps_<budget>_<pid>.csv``): for every (kind, budget)
 the steps, their share of the server's decode time, the mean batch size, committed tokens per
-request-step and committed tokens per millisecond. Kinds: ``forecast`` (auto chose the budget
-this step), ``held`` (a fixed budget, or auto holding, exploring or profiling one), ``plain``
-(no draft). Reading auto's rows beside the fixed servers' shows where auto's time goes.
+request-step and committed tokens per millisecond, and, when the server also ran with
+``SGLANG_TREE_SPEC_STEP_TIMES=N``, the mean milliseconds of each phase of the step
+(``step_times.PHASES``). Kinds: ``forecast`` (auto chose the budget this step), ``held`` (a
+fixed budget, or auto holding, exploring or profiling one), ``plain`` (no draft). Reading auto's
+rows beside the fixed servers' shows where auto's time goes.
 
-    SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps python benchmarks/serve_throughput.py ...
+    SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
+        python benchmarks/serve_throughput.py ...
     python benchmarks/step_log_report.py /tmp/steps
 """
 
@@ -16,6 +19,8 @@ import argparse
 import csv
 from collections import defaultdict
 from pathlib import Path
+
+from sglang_tree_spec.step_times import PHASES
 
 
 def kind(row: dict[str, str]) -> str:
@@ -27,25 +32,38 @@ def kind(row: dict[str, str]) -> str:
 def report(path: Path) -> str:
     """A markdown table of one server's steps."""
     groups: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+    phase_sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0] * len(PHASES))
     total = 0.0
     with path.open() as f:
         for row in csv.DictReader(f):
-            cell = groups[(kind(row), int(row["budget"]))]
+            key = (kind(row), int(row["budget"]))
+            cell = groups[key]
             seconds = float(row["seconds"])
             cell[0] += 1
             cell[1] += seconds
             cell[2] += int(row["bs"])
             cell[3] += int(row["tokens"])
             total += seconds
+            if row.get(PHASES[0]):  # timed (SGLANG_TREE_SPEC_STEP_TIMES)
+                sums = phase_sums[key]
+                for i, phase in enumerate(PHASES):
+                    sums[i] += float(row[phase])
+    timed = " | " + " / ".join(PHASES) + " ms" if phase_sums else ""
     lines = [
         f"### {path.name}: {sum(c[0] for c in groups.values())} steps, {total:.1f} s",
-        "| kind | budget | steps | time share | mean bs | tokens / request-step | tokens / ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| kind | budget | steps | time share | mean bs | tokens / request-step | tokens / ms"
+        f"{timed} |",
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---|" if timed else ""),
     ]
-    for (k, budget), (steps, seconds, rows, tokens) in sorted(groups.items()):
+    for key, (steps, seconds, rows, tokens) in sorted(groups.items()):
+        k, budget = key
+        phases = ""
+        if timed:
+            phases = " | " + " / ".join(f"{1e3 * x / steps:.2f}" for x in phase_sums[key])
         lines.append(
             f"| {k} | {budget} | {steps} | {seconds / max(total, 1e-9):.1%} | "
-            f"{rows / steps:.1f} | {tokens / max(rows, 1):.2f} | {tokens / (1e3 * seconds):.3f} |"
+            f"{rows / steps:.1f} | {tokens / max(rows, 1):.2f} | {tokens / (1e3 * seconds):.3f}"
+            f"{phases} |"
         )
     return "\n".join(lines)
 

@@ -25,7 +25,8 @@
 # acceptance reaches STOP_ACC, whichever comes first; the same command resumes it (checkpoint
 # every SAVE_EVERY steps in $WORK/train-long). INIT_FROM=<drafter dir> starts the run from that
 # drafter's weights (e.g. the shipped one, sglang_tree_spec/assets/smollm2-135m-instruct-dflash)
-# instead of a random init, with a fresh optimizer and schedule.
+# instead of a random init, with a fresh optimizer and schedule (peak learning rate LR, 2e-3 by
+# default; a lower one keeps more of what the drafter it starts from learnt).
 #
 #   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
 #
@@ -100,7 +101,7 @@ for stage in $stages; do
   IFS=: read -r steps batch anchors stop <<< "$stage"
   OMP_NUM_THREADS=$threads "${cli[@]}" models train-drafter --target "$target" \
     --data "$work/data.jsonl" --out "$train" --block-size 16 --num-layers 2 --gamma 7 \
-    --seq-len 512 --lr 2e-3 --save-every 40 --log-every 10 --seed 0 --device cpu \
+    --seq-len 512 --lr "${LR:-2e-3}" --save-every 40 --log-every 10 --seed 0 --device cpu \
     --steps "$steps" --batch-size "$batch" --anchors-per-seq "$anchors" --stop-at "$stop" \
     "${extra[@]}"
 done

@@ -233,7 +233,8 @@ def decode_step(
         bonus: ``[bs]`` int64 the last committed token of each request (not yet cached).
         prefix_lens: ``[bs]`` int64 tokens in each request's KV cache.
         rows: ``[bs]`` int64 each request's slot in the controller's per-request history.
-        timer: marks the phases draft, tree, verify, accept, commit.
+        timer: marks the phases (``step_times.PHASES``: draft, tree, verify, accept, commit,
+            observe).
         generator: coins of unseeded sampled rows.
         time_step: record this step's wall time in the controller's latency model; False
             when the caller measures the step itself (the SGLang worker times the period from
@@ -272,6 +273,7 @@ def decode_step(
                 controller.observe_held(
                     rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len
                 )
+        timer.mark("observe")
         forwards = 1
     else:
         controller.choose(None, bs)

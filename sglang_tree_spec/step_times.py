@@ -11,7 +11,9 @@ boundary, which the hot path must not pay.
 :class:`StepLog` (``SGLANG_TREE_SPEC_STEP_LOG=DIR``, server only) writes one CSV line per decode
 step: batch size, budget, whether it drafted or forecast, target forwards, committed tokens and
 the step's period (the latency model's measurement), for reading the budget control step by
-step (``benchmarks/step_log_report.py``). Each line reads the committed tokens: a device read.
+step (``benchmarks/step_log_report.py``); with ``SGLANG_TREE_SPEC_STEP_TIMES`` too, the step's
+seconds per phase (:data:`PHASES`; blank without it). Each line reads the committed tokens: a
+device read.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 
 ENV_FLAG = "SGLANG_TREE_SPEC_STEP_TIMES"
 LOG_ENV_FLAG = "SGLANG_TREE_SPEC_STEP_LOG"
-STEP_LOG_HEADER = "bs,budget,drafted,forecast,forwards,tokens,seconds"
+# The phases decode_step marks, in order (observe: the budget controller's update after verify).
+PHASES = ("draft", "tree", "verify", "accept", "commit", "observe")
+STEP_LOG_HEADER = "bs,budget,drafted,forecast,forwards,tokens,seconds," + ",".join(PHASES)
 
 
 class StepLog:
@@ -47,10 +51,15 @@ class StepLog:
 
     def write(
         self, bs: int, budget: int, drafted: bool, forecast: bool, forwards: int, tokens: int,
-        seconds: float,
+        seconds: float, phases: dict[str, float] | None = None,
     ) -> None:  # fmt: skip
+        """``phases``: seconds per phase (:attr:`PhaseTimer.last_step`), None when untimed."""
+        times = ",".join(
+            "" if phases is None else f"{phases.get(phase, 0.0):.6f}" for phase in PHASES
+        )
         self._file.write(
-            f"{bs},{budget},{int(drafted)},{int(forecast)},{forwards},{tokens},{seconds:.6f}\n"
+            f"{bs},{budget},{int(drafted)},{int(forecast)},{forwards},{tokens},{seconds:.6f},"
+            f"{times}\n"
         )
 
 

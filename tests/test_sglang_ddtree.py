@@ -474,10 +474,12 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     """``--speculative-ddtree-budget auto`` (the default): the batch's budget changes between
     steps (profiled, then chosen), and no token changes: greedy equals no speculation, and a
     seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
-    writes a line per decode step: held, forecast and plain steps at the candidates."""
+    writes a line per decode step: held, forecast and plain steps at the candidates, with their
+    phases under ``SGLANG_TREE_SPEC_STEP_TIMES``."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
     step_log = log.parent / "steps"
     monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_LOG", str(step_log))
+    monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_TIMES", "1000000")  # phases in the log, no report
     command = [*server_command(pair, free_port(), 32, "auto"), "--speculative-ddtree-graft", graft]
     command.append("--enable-metrics")
     for server in running_server(command, log):
@@ -497,6 +499,7 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen
     (path,) = step_log.glob("steps_auto_*.csv")
     table = load_benchmark("step_log_report").report(path)
+    assert table.splitlines()[1].endswith("observe ms |"), table  # the step's phases
     kinds = {(row.split(" | ")[0][2:], int(row.split(" | ")[1])) for row in table.splitlines()[3:]}
     assert {budget for _, budget in kinds} <= {0, 4, 8, 16, 32}
     assert {kind for kind, _ in kinds} == {"forecast", "held", "plain"}, table

@@ -35,3 +35,28 @@ def test_disabled_phase_timer_never_reads_the_clock_or_reports():
     timer.mark("draft")
     timer.end_step(3)
     assert lines == []
+
+
+def test_step_log_carries_the_phases_its_report_averages(tmp_path):
+    """With the phase timer on, every step-log line carries the step's seconds per phase and
+    ``step_log_report`` adds their mean per (kind, budget); untimed lines leave them blank and
+    the report shows no phase column."""
+    from benchmark_helpers import load_benchmark
+
+    from sglang_tree_spec.step_times import PHASES, StepLog
+
+    report = load_benchmark("step_log_report").report
+    timed, untimed = tmp_path / "steps_auto_1.csv", tmp_path / "steps_16_2.csv"
+    log = StepLog(str(timed))
+    for scale in (1.0, 3.0):  # two held B 16 steps: each phase's mean is twice its first value
+        phases = {phase: scale * 1e-3 * (i + 1) for i, phase in enumerate(PHASES)}
+        log.write(2, 16, True, False, 1, 6, 0.02, phases)
+    log.write(2, 0, False, False, 2, 4, 0.01, {"verify": 4e-3})  # a plain step: no draft
+    StepLog(str(untimed)).write(1, 16, True, False, 1, 3, 0.01)
+    header, *rows = report(timed).splitlines()[1:]
+    assert header.endswith(" / ".join(PHASES) + " ms |")
+    held = next(row for row in rows if row.startswith("| held | 16 |"))
+    assert held.endswith(" | 2.00 / 4.00 / 6.00 / 8.00 / 10.00 / 12.00 |"), held
+    plain = next(row for row in rows if row.startswith("| plain | 0 |"))
+    assert plain.endswith(" | 0.00 / 0.00 / 4.00 / 0.00 / 0.00 / 0.00 |"), plain
+    assert "observe" not in report(untimed) and untimed.read_text().endswith(",,\n")

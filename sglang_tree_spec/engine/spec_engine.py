@@ -27,11 +27,10 @@ from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.engine.kv import check_plain_cache, verify_attention_mask
 from sglang_tree_spec.graft import StageConfig, stage_confidences
 from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
-from sglang_tree_spec.step_times import PhaseTimer
+from sglang_tree_spec.step_times import PHASES, PhaseTimer
 from sglang_tree_spec.tree import counter_uniforms, sample_tokens
 from sglang_tree_spec.tree.draft_vocab import check_token_map, draft_vocab
 
-PHASES = ("draft", "tree", "verify", "accept", "commit")
 MAX_REQUESTS = 4096  # prompts per generate call (slots of the budget controller's history)
 
 
