@@ -623,14 +623,15 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
         ControlConfig(held_observe_every=0)
 
 
-@pytest.mark.parametrize("observe_every, mean", [(1, 3.0), (3, 2.0)])
+@pytest.mark.parametrize("observe_every, mean", [(1, 2.25), (3, 4.5)])
 def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
     """Forecast steps are the hard ones (a request's first steps, the step after a plain run);
     the held steps each forecast governs calibrate too, so the forecasts predict the steps they
-    govern: here every forecast step accepts nothing and every held step 4 tokens, and the
-    forecast predicts the mean of all steps, 3 (calibrated on forecast steps alone: ~0). With
-    ``held_observe_every=3`` one held step in three is observed (here one per hold of three):
-    forecast and observed steps alternate, and the calibrated mean is 2."""
+    govern: here every forecast step accepts nothing and the three held steps after it 1, 2
+    and 6 tokens, and the forecast predicts the mean of all steps, 2.25 (calibrated on forecast
+    steps alone: ~0). With ``held_observe_every=3`` the third held step alone is observed,
+    standing for three: (0 + 3 x 6) / 4 = 4.5 (unweighted, the forecast steps would weigh as
+    much as the held ones: (0 + 6) / 2 = 3)."""
     budgets, bs, hold = (0, 4, 8), 4, 4
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
     config = ControlConfig(
@@ -643,14 +644,14 @@ def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
         budget = ctl.choose(fc, bs)
         ctl.observe(fc, budget, torch.zeros(bs, dtype=torch.long))
-        for _ in range(hold - 1):
+        for tokens in (1, 2, 6):  # hold - 1 held steps
             held = top_nodes(tree, ctl.held_budget(bs))
-            accept = torch.full((bs,), 4, dtype=torch.long)
+            accept = torch.full((bs,), tokens, dtype=torch.long)
             ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
     column = budgets.index(budget)
     assert fc.accept[:, column].mean().item() == pytest.approx(mean, rel=0.1)
     stats = ctl.stats()
-    assert stats.request_steps == 100 * (1 + (hold - 1) // observe_every) * bs
+    assert stats.request_steps == 100 * hold * bs  # request-steps served, sampled or not
     assert stats.mean_observed_accept == pytest.approx(mean)
     assert stats.mean_predicted_accept == pytest.approx(mean, rel=0.1)
 

@@ -233,7 +233,7 @@ def test_auto_budget_changes_budgets_not_tokens(monkeypatch):
     those of plain decoding."""
     from sglang_tree_spec import step
 
-    monkeypatch.setattr(step, "HELD_OBSERVE_EVERY", 1)  # every drafted step calibrates
+    monkeypatch.setattr(step, "HELD_OBSERVE_EVERY", 1)  # every drafted step counted once
     target = tiny_target("qwen3")
     drafter = random_drafter(target, 8, seed=3)
     prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6], [2, 2, 5]]

@@ -106,6 +106,7 @@ class AcceptCalibrator:
         mass: torch.Tensor,
         calibrated_pred: torch.Tensor,
         accept: torch.Tensor,
+        weight: int = 1,
     ) -> None:
         """Fold in one verified step.
 
@@ -115,13 +116,18 @@ class AcceptCalibrator:
                 (:meth:`depth_mass`).
             calibrated_pred: ``[bs]`` depth-calibrated prediction (before r) of that tree.
             accept: ``[bs]`` accepted draft tokens (bonus excluded), in ``mass``'s dtype.
+            weight: the steps this one stands for (one of every ``weight``, sampled): its sums
+                count ``weight`` times, after ``weight`` steps' decay.
         """
         cfg = self.config
         observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L+1]
         step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
-        self.depth_sums.mul_(cfg.depth_decay).add_(step)
+        self.depth_sums.mul_(cfg.depth_decay**weight).add_(step, alpha=weight)
         request = torch.stack([calibrated_pred, accept], dim=1)  # [bs, 2]
-        self.request_sums[rows] = request.add_(self.request_sums[rows], alpha=cfg.request_decay)
+        if weight != 1:
+            request.mul_(weight)
+        decay = cfg.request_decay**weight
+        self.request_sums[rows] = request.add_(self.request_sums[rows], alpha=decay)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""

@@ -121,10 +121,12 @@ class ControlConfig:
         then a probe (0: none, drafting goes on). Hard text comes in stretches: the step after
         one whose drafts do not pay tends not to pay either.
     held_observe_every: the calibration learns from every this many drafted steps without a
-        forecast (:meth:`BudgetController.observe_held`; 1: all of them). A fixed stride is an
-        unbiased sample of the held steps (it does not look at their text), and each update is
-        ~30 small tensor ops: on CPU through SGLang 0.3 ms of a 12.5 ms step at batch size 1,
-        paid on most steps of an auto server and on none of a fixed one's.
+        forecast (:meth:`BudgetController.observe_held`; 1: all of them), each standing for
+        its stride (weight and decay of that many steps: unweighted, the hard forecast steps
+        would weigh more in the calibration than in the steps served, and predict low). A
+        fixed stride is an unbiased sample of the held steps (it does not look at their text),
+        and each update is ~30 small tensor ops: on CPU through SGLang 0.3 ms of a 12.5 ms step
+        at batch size 1, paid on most steps of an auto server and on none of a fixed one's.
     calibration: the acceptance calibration's decays and priors.
     """
 
@@ -208,9 +210,9 @@ class ControlStats:
 
     Attributes:
         last_budget: the last step's budget (None before the first).
-        mean_predicted_accept / mean_observed_accept: over every request-step the calibration
-            learnt from (``ControlConfig.held_observe_every``), the calibrated prediction at the
-            verified budget and the observed accepted draft tokens.
+        mean_predicted_accept / mean_observed_accept: over every drafted request-step (held
+            ones sampled, ``ControlConfig.held_observe_every``), the calibrated prediction at
+            the verified budget and the observed accepted draft tokens.
         request_steps: how many request-steps those means cover.
         budget_counts: steps per chosen budget.
         depth_scale: per-depth calibration factors s_d.
@@ -540,23 +542,27 @@ class BudgetController:
         depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
         if not self.auto or logprobs.shape[1] == 0:
             return
+        every = self.config.held_observe_every
         self._held_seen += 1
-        if self._held_seen % self.config.held_observe_every:
+        if self._held_seen % every:
             return
         cal = self.calibrator
         probs = logprobs.float().exp().masked_fill_(~valid, 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
-        self._learn(rows, mass, mass @ cal.depth_table(), cal.request_scale(rows), accept_len)
+        depth_cal, scale = mass @ cal.depth_table(), cal.request_scale(rows)
+        self._learn(rows, mass, depth_cal, scale, accept_len, weight=every)
 
-    def _learn(self, rows, mass, depth_cal, scale, accept_len) -> None:
+    def _learn(self, rows, mass, depth_cal, scale, accept_len, weight: int = 1) -> None:
         """Fold one verified step into the calibration and the predicted/observed totals:
         ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i and
-        accepted draft tokens."""
+        accepted draft tokens. ``weight``: the steps it stands for (a held step observed for
+        its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
+        calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accept = accept_len.to(predicted.dtype)
-        self._totals.add_(torch.stack([predicted, accept]).sum(1))
-        self._request_steps += accept.numel()
-        self.calibrator.update(rows, mass, depth_cal, accept)
+        self._totals.add_(torch.stack([predicted, accept]).sum(1), alpha=weight)
+        self._request_steps += weight * accept.numel()
+        self.calibrator.update(rows, mass, depth_cal, accept, weight)
 
     def record_step(
         self,

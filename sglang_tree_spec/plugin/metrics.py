@@ -8,10 +8,10 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
 * ``sglang:ddtree_steps_total{budget}``: decode steps verified at each budget (0: plain step).
 * ``sglang:ddtree_budget``: the last step's budget.
 * ``sglang:ddtree_verified_requests_total``, ``sglang:ddtree_predicted_accept_tokens_total``,
-  ``sglang:ddtree_accepted_tokens_total`` (auto): the request-steps the calibration learnt from
-  (every forecast step's and every ``step.HELD_OBSERVE_EVERY``-th other drafted step's), and the
-  calibrated predicted / observed accepted draft tokens over them; the ratio of the rates is the
-  mean predicted / observed accept length over any window.
+  ``sglang:ddtree_accepted_tokens_total`` (auto): drafted request-steps, and the calibrated
+  predicted / observed accepted draft tokens over them (held steps are sampled one in
+  ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the ratio of the rates is the mean
+  predicted / observed accept length over any window.
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total`` (auto):
   steps the latency model was checked on and the sum of |predicted - measured| / measured.
 
@@ -51,7 +51,7 @@ class DDTreeMetrics:
             registry=registry,
         )
         self.request_steps = counter(
-            "verified_requests", "DDTREE request-steps the acceptance calibration learnt from"
+            "verified_requests", "DDTREE drafted request-steps (held ones sampled)"
         )
         self.predicted = counter(
             "predicted_accept_tokens", "DDTREE calibrated predicted accepted draft tokens"
