@@ -84,7 +84,7 @@ EXPLORE_MARGIN = 0.15
 # Auto: the calibration learns from every forecast step and from every HELD_OBSERVE_EVERY-th
 # other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~30
 # small tensor ops cost 0.3 ms of a 12.5 ms step at batch size 1 on CPU through SGLang (small
-# pair, per-phase step log), on most steps of an auto server; one in four: 0.13 ms.
+# pair, per-phase step log), on most steps of an auto server; one in four: 0.13-0.19 ms.
 HELD_OBSERVE_EVERY = 4
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
