@@ -9,7 +9,8 @@ from sglang_tree_spec.plugin.metrics import DDTreeMetrics, read_ddtree_metrics
 
 
 def stats(last, pred, obs, count, budgets, err, timed) -> ControlStats:
-    return ControlStats(last, pred, obs, count, budgets, [], err, timed)
+    """``pred`` / ``obs``: mean accept lengths over the ``count`` request-steps."""
+    return ControlStats(last, pred * count, obs * count, count, budgets, [], err, timed)
 
 
 def test_publish_exports_the_cumulative_stats_once():

@@ -210,10 +210,11 @@ class ControlStats:
 
     Attributes:
         last_budget: the last step's budget (None before the first).
-        mean_predicted_accept / mean_observed_accept: over every drafted request-step (held
-            ones sampled, ``ControlConfig.held_observe_every``), the calibrated prediction at
-            the verified budget and the observed accepted draft tokens.
-        request_steps: how many request-steps those means cover.
+        predicted_accept_tokens: the calibrated prediction at the verified budget, summed over
+            every drafted request-step: an estimate, since held steps are sampled
+            (``ControlConfig.held_observe_every``), each sample counting for its stride.
+        accepted_tokens: accepted draft tokens over every drafted request-step (exact).
+        request_steps: drafted request-steps (exact; budget-0 steps not counted).
         budget_counts: steps per chosen budget.
         depth_scale: per-depth calibration factors s_d.
         latency_mean_abs_rel_error: of predicted vs measured step times.
@@ -221,13 +222,21 @@ class ControlStats:
     """
 
     last_budget: int | None
-    mean_predicted_accept: float
-    mean_observed_accept: float
+    predicted_accept_tokens: float
+    accepted_tokens: float
     request_steps: int
     budget_counts: dict[int, int]
     depth_scale: list[float]
     latency_mean_abs_rel_error: float
     latency_steps: int = 0
+
+    @property
+    def mean_predicted_accept(self) -> float:
+        return self.predicted_accept_tokens / max(self.request_steps, 1)
+
+    @property
+    def mean_observed_accept(self) -> float:
+        return self.accepted_tokens / max(self.request_steps, 1)
 
 
 class BudgetController:
@@ -249,8 +258,10 @@ class BudgetController:
         self.latency = latency
         self.calibrator = AcceptCalibrator(max_slots, config.max_depth, config.calibration, device)
         self._budgets_t = budget_index(config.budgets, device)  # [C]
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # pred, obs sums
-        self._request_steps = 0  # verified request-steps the totals cover
+        # [predicted (held steps sampled, weighted), accepted (every step)] draft tokens summed
+        # over the drafted request-steps, and how many those are
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self._request_steps = 0
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
@@ -517,6 +528,7 @@ class BudgetController:
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return
+        self._count_accepted(accept_len)
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
@@ -542,6 +554,7 @@ class BudgetController:
         depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
         if not self.auto or logprobs.shape[1] == 0:
             return
+        self._count_accepted(accept_len)
         every = self.config.held_observe_every
         self._held_seen += 1
         if self._held_seen % every:
@@ -559,10 +572,14 @@ class BudgetController:
         its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
         calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
-        accept = accept_len.to(predicted.dtype)
-        self._totals.add_(torch.stack([predicted, accept]).sum(1), alpha=weight)
-        self._request_steps += weight * accept.numel()
-        self.calibrator.update(rows, mass, depth_cal, accept, weight)
+        self._totals[0].add_(predicted.sum(), alpha=weight)
+        self.calibrator.update(rows, mass, depth_cal, accept_len.to(predicted.dtype), weight)
+
+    def _count_accepted(self, accept_len: torch.Tensor) -> None:
+        """Sync-free: every drafted step's accepted draft tokens, sampled for calibration or
+        not (the metrics' exact totals)."""
+        self._totals[1].add_(accept_len.sum())
+        self._request_steps += accept_len.numel()
 
     def record_step(
         self,
@@ -609,13 +626,12 @@ class BudgetController:
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""
-        pred, obs = self._totals.tolist()
-        count = float(self._request_steps)
+        predicted, accepted = self._totals.tolist()
         return ControlStats(
             last_budget=self.last_budget,
-            mean_predicted_accept=pred / max(count, 1.0),
-            mean_observed_accept=obs / max(count, 1.0),
-            request_steps=int(count),
+            predicted_accept_tokens=predicted,
+            accepted_tokens=accepted,
+            request_steps=self._request_steps,
             budget_counts=dict(sorted(self.budget_counts.items())),
             depth_scale=self.calibrator.depth_scale().tolist(),
             latency_mean_abs_rel_error=(

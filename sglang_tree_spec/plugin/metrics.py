@@ -8,10 +8,10 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
 * ``sglang:ddtree_steps_total{budget}``: decode steps verified at each budget (0: plain step).
 * ``sglang:ddtree_budget``: the last step's budget.
 * ``sglang:ddtree_verified_requests_total``, ``sglang:ddtree_predicted_accept_tokens_total``,
-  ``sglang:ddtree_accepted_tokens_total`` (auto): drafted request-steps, and the calibrated
-  predicted / observed accepted draft tokens over them (held steps are sampled one in
-  ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the ratio of the rates is the mean
-  predicted / observed accept length over any window.
+  ``sglang:ddtree_accepted_tokens_total`` (auto): drafted request-steps and the accepted draft
+  tokens over them (exact), and the calibrated predicted accepted draft tokens (estimated: held
+  steps are sampled one in ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the
+  ratio of the rates is the mean predicted / observed accept length over any window.
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total`` (auto):
   steps the latency model was checked on and the sum of |predicted - measured| / measured.
 
@@ -50,13 +50,12 @@ class DDTreeMetrics:
             multiprocess_mode="mostrecent",
             registry=registry,
         )
-        self.request_steps = counter(
-            "verified_requests", "DDTREE drafted request-steps (held ones sampled)"
-        )
+        self.request_steps = counter("verified_requests", "DDTREE drafted request-steps")
         self.predicted = counter(
-            "predicted_accept_tokens", "DDTREE calibrated predicted accepted draft tokens"
+            "predicted_accept_tokens",
+            "DDTREE calibrated predicted accepted draft tokens (held steps sampled)",
         )
-        self.observed = counter("accepted_tokens", "DDTREE accepted draft tokens (calibrated)")
+        self.observed = counter("accepted_tokens", "DDTREE accepted draft tokens")
         self.timed_steps = counter("timed_steps", "DDTREE steps the latency model was checked on")
         self.latency_error = counter(
             "step_time_abs_rel_error", "DDTREE sum of |predicted - measured| / measured step time"
@@ -82,8 +81,8 @@ class DDTreeMetrics:
             self.budget.labels(**self.labels).set(stats.last_budget)
         for metric, now, before in (
             (self.request_steps, stats.request_steps, last.request_steps),
-            (self.predicted, _total(stats, "predicted"), _total(last, "predicted")),
-            (self.observed, _total(stats, "observed"), _total(last, "observed")),
+            (self.predicted, stats.predicted_accept_tokens, last.predicted_accept_tokens),
+            (self.observed, stats.accepted_tokens, last.accepted_tokens),
             (self.timed_steps, stats.latency_steps, last.latency_steps),
             (
                 self.latency_error,
@@ -94,11 +93,6 @@ class DDTreeMetrics:
             if now > before:
                 metric.labels(**self.labels).inc(now - before)
         self._last = stats
-
-
-def _total(stats: ControlStats, which: str) -> float:
-    mean = stats.mean_predicted_accept if which == "predicted" else stats.mean_observed_accept
-    return round(mean * stats.request_steps, 6)  # a count of accepted tokens stays a whole number
 
 
 def read_ddtree_metrics(text: str) -> dict[str, float]:
