@@ -175,7 +175,8 @@ def _cumulative(so_far: list[int], ids: list[int], chunk: dict) -> list[int]:
 
 def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """A round's DDTREE metrics: steps per budget and, under auto, the mean predicted vs
-    observed accept length and the latency model's mean |error| / measured step time."""
+    observed accept length, the latency model's mean |error| / measured step time and its
+    predicted over measured time of the same steps (its bias)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     budgets = {
         int(k.split("=")[1].rstrip("}")): int(v)
@@ -193,6 +194,9 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
         "observed_accept": mean("accepted_tokens_total", "verified_requests_total"),
         "verified_requests": int(delta.get("verified_requests_total", 0)),
         "step_time_error": mean("step_time_abs_rel_error_total", "timed_steps_total"),
+        "step_time_predicted_over_measured": mean(
+            "step_time_predicted_seconds_total", "step_time_measured_seconds_total"
+        ),
     }
 
 
@@ -353,7 +357,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
         "predicted vs observed accept length over n verified request-steps; C err: latency "
-        "model's mean step-time error.",
+        "model's mean |step-time error| per step (and its predicted / measured total time "
+        "over the round).",
         "",
         f"Command: `{env['command']}`",
         "",
@@ -370,6 +375,8 @@ def markdown(rows: list[dict], env: dict) -> str:
             else "-"
         )
         err = f"{100 * c['step_time_error']:.0f}%" if c["step_time_error"] is not None else "-"
+        if c.get("step_time_predicted_over_measured") is not None:  # (results before v17: none)
+            err += f" ({c['step_time_predicted_over_measured']:.2f})"
         budgets = " ".join(f"{b}:{n}" for b, n in c["budget_steps"].items()) or "-"
         lines.append(
             f"| {r['config']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {ratio} "

@@ -257,6 +257,9 @@ def test_latency_refinement_converges_to_measured_times():
         for c, n in enumerate(budgets):
             assert model.seconds(bs, n) == pytest.approx(truth[bucket][c], rel=0.06), (bs, n)
     assert model.mean_abs_rel_error() < 0.2
+    measured = sum(truth[0]) + sum(truth[2])  # ~ the 60 rounds' mean (noise +-5%)
+    assert model.measured_seconds == pytest.approx(60 * measured, rel=0.02)
+    assert model.predicted_seconds == pytest.approx(model.measured_seconds, rel=0.15)
     assert not model.record(1, 5, 0.1)  # not a candidate: ignored
     for _ in range(30):  # a measured cell drifts (thermal, a neighbour): its EMA follows
         model.record(1, 32, 1.5 * truth[0][2])

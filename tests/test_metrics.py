@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sglang_tree_spec.control import ControlStats
@@ -9,8 +10,11 @@ from sglang_tree_spec.plugin.metrics import DDTreeMetrics, read_ddtree_metrics
 
 
 def stats(last, pred, obs, count, budgets, err, timed) -> ControlStats:
-    """``pred`` / ``obs``: mean accept lengths over the ``count`` request-steps."""
-    return ControlStats(last, pred * count, obs * count, count, budgets, [], err, timed)
+    """``pred`` / ``obs``: mean accept lengths over the ``count`` request-steps; the ``timed``
+    steps took 10 ms each, predicted 11."""
+    return ControlStats(
+        last, pred * count, obs * count, count, budgets, [], err, timed, 0.011 * timed, 0.01 * timed
+    )
 
 
 def test_publish_exports_the_cumulative_stats_once():
@@ -31,6 +35,8 @@ def test_publish_exports_the_cumulative_stats_once():
     assert samples["accepted_tokens_total"] == 20.0
     assert samples["timed_steps_total"] == 10
     assert abs(samples["step_time_abs_rel_error_total"] - 2.0) < 1e-9  # 0.2 over 10 steps
+    assert samples["step_time_predicted_seconds_total"] == pytest.approx(0.11)
+    assert samples["step_time_measured_seconds_total"] == pytest.approx(0.1)
 
 
 def test_counters_are_exported_before_they_count():

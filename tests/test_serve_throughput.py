@@ -43,3 +43,26 @@ def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurr
          "command": "c"},
     )  # fmt: skip
     assert "| 1 | ddtree:8 | 0.818 | 1.000 | 0.50-1.00 |" in table
+
+
+def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
+    bench = load_benchmark("serve_throughput")
+    before = {"step_time_predicted_seconds_total": 1.0, "step_time_measured_seconds_total": 1.0}
+    after = {
+        "steps_total{budget=8}": 20.0,
+        "timed_steps_total": 20.0,
+        "step_time_abs_rel_error_total": 2.0,
+        "step_time_predicted_seconds_total": 2.1,  # 1.1 s predicted over the round
+        "step_time_measured_seconds_total": 2.0,  # 1.0 s measured
+    }
+    control = bench.control_summary(before, after)
+    assert control["budget_steps"] == {8: 20}
+    assert control["step_time_error"] == 0.1
+    assert control["step_time_predicted_over_measured"] == 1.1
+    row = {"config": "ddtree:auto", "concurrency": 1, "output_tokens_per_s": 1.0, "tau": 1.0,
+           "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "mismatched_outputs": 0,
+           "speedup_vs_none": None, "repeats_tokens_per_s": [1.0],
+           "control": control | {"predicted_accept": None}}  # fmt: skip
+    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+           "command": "c"}  # fmt: skip
+    assert "| 10% (1.10) |" in bench.markdown([row], env)

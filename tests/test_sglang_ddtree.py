@@ -445,6 +445,9 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int]) -> None:
     # step times are periods from one decode step's start to the next: the last step's period
     # ends at the next prefill and is not one
     assert 0 < delta["timed_steps_total"] <= verify_ct - 1
+    mean_period = delta["step_time_measured_seconds_total"] / delta["timed_steps_total"]
+    assert 1e-4 < mean_period < 5.0  # a CPU step, in seconds
+    assert delta["step_time_predicted_seconds_total"] > 0
     assert after["budget"] in (0, 4, 8, 16, 32)
 
 

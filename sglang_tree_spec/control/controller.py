@@ -219,6 +219,8 @@ class ControlStats:
         depth_scale: per-depth calibration factors s_d.
         latency_mean_abs_rel_error: of predicted vs measured step times.
         latency_steps: how many measured steps that error covers.
+        latency_predicted_seconds / latency_measured_seconds: those steps' predicted and
+            measured times summed (their ratio: the model's bias over a run).
     """
 
     last_budget: int | None
@@ -229,6 +231,8 @@ class ControlStats:
     depth_scale: list[float]
     latency_mean_abs_rel_error: float
     latency_steps: int = 0
+    latency_predicted_seconds: float = 0.0
+    latency_measured_seconds: float = 0.0
 
     @property
     def mean_predicted_accept(self) -> float:
@@ -638,4 +642,10 @@ class BudgetController:
                 self.latency.mean_abs_rel_error() if self.latency is not None else 0.0
             ),
             latency_steps=self.latency.recorded_steps if self.latency is not None else 0,
+            latency_predicted_seconds=(
+                self.latency.predicted_seconds if self.latency is not None else 0.0
+            ),
+            latency_measured_seconds=(
+                self.latency.measured_seconds if self.latency is not None else 0.0
+            ),
         )

@@ -277,6 +277,8 @@ class LatencyModel:
         self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
         self._abs_rel_err = 0.0
         self._err_count = 0
+        self.predicted_seconds = 0.0  # summed over the recorded steps, each before its update
+        self.measured_seconds = 0.0
         self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
         self._ratios = collections.deque(maxlen=config.load_window)  # time / its cell
         self.load = 1.0  # the machine's speed now over its speed when the cells were measured
@@ -391,6 +393,8 @@ class LatencyModel:
         predicted = self.seconds(bs, budget)
         self._abs_rel_err += abs(predicted - seconds) / seconds
         self._err_count += 1
+        self.predicted_seconds += predicted
+        self.measured_seconds += seconds
         samples = self._samples[bucket][column]
         if samples and self.config.load_window:
             self._ratios.append(seconds / statistics.median_low(samples))

@@ -12,8 +12,11 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
   tokens over them (exact), and the calibrated predicted accepted draft tokens (estimated: held
   steps are sampled one in ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the
   ratio of the rates is the mean predicted / observed accept length over any window.
-* ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total`` (auto):
-  steps the latency model was checked on and the sum of |predicted - measured| / measured.
+* ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total``,
+  ``sglang:ddtree_step_time_predicted_seconds_total``,
+  ``sglang:ddtree_step_time_measured_seconds_total`` (auto): steps the latency model was
+  checked on, the sum of |predicted - measured| / measured, and their predicted and measured
+  times (the ratio of the rates: the model's bias over any window).
 
 The worker publishes the controller's cumulative :class:`~sglang_tree_spec.control.ControlStats`
 (a device read) every few dozen steps and before every prefill, so a window that ends when the
@@ -60,12 +63,20 @@ class DDTreeMetrics:
         self.latency_error = counter(
             "step_time_abs_rel_error", "DDTREE sum of |predicted - measured| / measured step time"
         )
+        self.latency_predicted = counter(
+            "step_time_predicted_seconds", "DDTREE predicted time of the checked steps"
+        )
+        self.latency_measured = counter(
+            "step_time_measured_seconds", "DDTREE measured time of the checked steps"
+        )
         for metric in (
             self.request_steps,
             self.predicted,
             self.observed,
             self.timed_steps,
             self.latency_error,
+            self.latency_predicted,
+            self.latency_measured,
         ):
             metric.labels(**self.labels)  # exported at 0 from the start, as Prometheus expects
         self._last = ControlStats(None, 0.0, 0.0, 0, {}, [], 0.0, 0)
@@ -89,6 +100,12 @@ class DDTreeMetrics:
                 stats.latency_mean_abs_rel_error * stats.latency_steps,
                 last.latency_mean_abs_rel_error * last.latency_steps,
             ),
+            (
+                self.latency_predicted,
+                stats.latency_predicted_seconds,
+                last.latency_predicted_seconds,
+            ),
+            (self.latency_measured, stats.latency_measured_seconds, last.latency_measured_seconds),
         ):
             if now > before:
                 metric.labels(**self.labels).inc(now - before)
