@@ -470,7 +470,7 @@ def test_a_hard_stretch_does_not_start_a_plain_run_while_drafting_pays_in_the_lo
         config = ControlConfig(budgets=budgets, plain_long_decay=long_decay, hold_steps=4)
         ctl = BudgetController(config, flat, max_slots=2)
         for accept in held_accepts:  # held steps at budget 4 (two plain forwards' time)
-            ctl.observe_committed(4, torch.full((2,), accept, dtype=torch.long))
+            ctl.observe_committed(4, torch.tensor(accept).expand(2))
         fc = ctl.forecast(torch.arange(2), useless.logprobs, useless.depths, useless.valid)
         assert ctl.choose(fc, 2) == 4
         return ctl
@@ -481,6 +481,9 @@ def test_a_hard_stretch_does_not_start_a_plain_run_while_drafting_pays_in_the_lo
     assert both.should_draft(2)
     assert [both.held_budget(2) for _ in range(4)] == [4, 4, 4, None]  # held, then forecast
     assert not after([0] * 140, 0.995).should_draft(2)  # never paid: a plain run
+    # 1.5 tokens a request for two plain forwards' time does not pay; 2.5 does
+    assert not after([[1, 0]] * 140, 0.995).should_draft(2)
+    assert after([[2, 1]] * 140, 0.995).should_draft(2)
 
 
 def test_one_lucky_probe_does_not_restart_a_useless_drafter():
@@ -650,6 +653,7 @@ def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
         for tokens in (1, 2, 6):  # hold - 1 held steps
             held = top_nodes(tree, ctl.held_budget(bs))
             accept = torch.full((bs,), tokens, dtype=torch.long)
+            ctl.observe_committed(ctl.last_budget, accept)  # as decode_step: both, in order
             ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
     column = budgets.index(budget)
     assert fc.accept[:, column].mean().item() == pytest.approx(mean, rel=0.1)

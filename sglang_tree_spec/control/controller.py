@@ -265,6 +265,7 @@ class BudgetController:
         # [predicted (held steps sampled, weighted), accepted (every step)] draft tokens summed
         # over the drafted request-steps, and how many those are
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self._accepted = self._totals[1]  # (a view: no indexing op per step)
         self._request_steps = 0
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
@@ -280,12 +281,12 @@ class BudgetController:
         long = config.plain_long_decay
         self._gain_decays = (config.plain_decay,) + (() if long is None else (long,))
         self._drafted_gain = [[0.0, 0.0] for _ in self._gain_decays]
-        # the same sums over the held steps since the last forecast (tokens on the device, read
-        # with the next forecast's totals), and how many steps they cover
+        # the held steps since the last forecast: their decayed accepted draft tokens per
+        # request (on the device, read with the next forecast's totals) and (budget, batch
+        # size) each (their cost is priced when they are folded in)
         self._held_decays = torch.tensor(self._gain_decays, device=device)
         self._held_tokens = torch.zeros(len(self._gain_decays), device=device)
-        self._held_cost = [0.0 for _ in self._gain_decays]
-        self._held_steps = 0
+        self._held: list[tuple[int, int]] = []
         self._held_seen = 0  # steps offered to observe_held (its stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
@@ -487,32 +488,42 @@ class BudgetController:
 
     def observe_committed(self, budget: int, accept_len: torch.Tensor) -> None:
         """Sync-free, after a drafted step that did not forecast (held, explored or profiled;
-        auto with plain steps among the candidates): its committed tokens per request and its
-        cost in plain forwards join the drafting-pays average at the next forecast's host read.
+        auto): its accepted draft tokens join the metrics' totals and, with plain steps among
+        the candidates, its committed tokens per request and its cost in plain forwards join
+        the drafting-pays average at the next forecast's host read (priced then: no latency
+        model read per step).
         Forecast steps alone would be a biased sample: they are the hard ones (a request's first
         steps, the probe after a plain step), and on them alone drafting looked not to pay
         where the held steps it governs did (plain runs at concurrency 2 on this CPU)."""
-        if not self.auto or self.config.budgets[0] != 0 or budget == 0:
+        if not self.auto or budget == 0:
             return
-        seconds = self.latency.row(accept_len.numel())
-        cost = seconds[self.config.budgets.index(budget)] / seconds[0]
-        self._held_tokens.mul_(self._held_decays).add_(accept_len.float().mean().add_(1.0))
-        decays = zip(self._gain_decays, self._held_cost, strict=True)
-        self._held_cost = [d * c + cost for d, c in decays]
-        self._held_steps += 1
+        accepted, bs = accept_len.sum(), accept_len.numel()
+        self._count_accepted(accepted, bs)
+        if self.config.budgets[0] == 0:
+            self._held_tokens.mul_(self._held_decays).add_(accepted, alpha=1.0 / bs)
+            self._held.append((budget, bs))
 
     def _fold_held(self, held_tokens: list[float]) -> None:
         """Host: the held steps since the last forecast (:meth:`observe_committed`) join the
         drafted steps' decayed sums, in order."""
-        if not self._held_steps:
+        if not self._held:
             return
-        for decay, gain, tokens, cost in zip(
-            self._gain_decays, self._drafted_gain, held_tokens, self._held_cost, strict=True
+        budgets = self.config.budgets
+        costs = []  # each held step's C(bs, N) / C(bs, 0), at the model's times now
+        for budget, bs in self._held:
+            seconds = self.latency.row(bs)
+            costs.append(seconds[budgets.index(budget)] / seconds[0])
+        for decay, gain, accepted in zip(
+            self._gain_decays, self._drafted_gain, held_tokens, strict=True
         ):
-            weight = decay**self._held_steps
-            gain[0], gain[1] = weight * gain[0] + tokens, weight * gain[1] + cost
+            weight = 1.0
+            tokens = cost = 0.0  # decayed sums, the latest step weighted 1
+            for step_cost in reversed(costs):
+                tokens, cost = tokens + weight, cost + weight * step_cost  # (+1: the bonus)
+                weight *= decay
+            gain[0], gain[1] = weight * gain[0] + accepted + tokens, weight * gain[1] + cost
         self._held_tokens.zero_()
-        self._held_cost, self._held_steps = [0.0 for _ in self._gain_decays], 0
+        self._held = []
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
         for decay, gain in zip(self._gain_decays, self._drafted_gain, strict=True):
@@ -532,7 +543,7 @@ class BudgetController:
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return
-        self._count_accepted(accept_len)
+        self._count_accepted(accept_len.sum(), accept_len.numel())
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
@@ -558,7 +569,6 @@ class BudgetController:
         depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
         if not self.auto or logprobs.shape[1] == 0:
             return
-        self._count_accepted(accept_len)
         every = self.config.held_observe_every
         self._held_seen += 1
         if self._held_seen % every:
@@ -579,11 +589,11 @@ class BudgetController:
         self._totals[0].add_(predicted.sum(), alpha=weight)
         self.calibrator.update(rows, mass, depth_cal, accept_len.to(predicted.dtype), weight)
 
-    def _count_accepted(self, accept_len: torch.Tensor) -> None:
-        """Sync-free: every drafted step's accepted draft tokens, sampled for calibration or
-        not (the metrics' exact totals)."""
-        self._totals[1].add_(accept_len.sum())
-        self._request_steps += accept_len.numel()
+    def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
+        """Sync-free: a drafted step's accepted draft tokens (summed over its ``bs``
+        requests), sampled for calibration or not (the metrics' exact totals)."""
+        self._accepted.add_(accepted)
+        self._request_steps += bs
 
     def record_step(
         self,
