@@ -265,7 +265,7 @@ class BudgetController:
         # [predicted (held steps sampled, weighted), accepted (every step)] draft tokens summed
         # over the drafted request-steps, and how many those are
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)
-        self._accepted = self._totals[1]  # (a view: no indexing op per step)
+        self._predicted, self._accepted = self._totals.unbind()  # views: no op per step
         self._request_steps = 0
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
@@ -563,10 +563,11 @@ class BudgetController:
         after a plain run): calibrated on them alone, the predictions would be right there and
         low for the held steps each forecast governs, and a uniformly low A compresses the
         ratios (1 + A(N)) / (1 + A(N')) toward the smaller budget. Every forecast step and
-        every ``ControlConfig.held_observe_every``-th other drafted step is calibrated and
-        counted instead. Sums over nodes need no ranking: the raw mass per depth is one
-        scatter of the valid nodes' probabilities, its calibrated sum one product with the
-        depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
+        every ``ControlConfig.held_observe_every``-th other drafted step is calibrated
+        instead (and its prediction summed for the metrics; :meth:`observe_committed` counts
+        every step's accepted tokens). Sums over nodes need no ranking: the raw mass per
+        depth is one scatter of the valid nodes' probabilities, its calibrated sum one product
+        with the depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
         if not self.auto or logprobs.shape[1] == 0:
             return
         every = self.config.held_observe_every
@@ -586,7 +587,7 @@ class BudgetController:
         its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
         calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
-        self._totals[0].add_(predicted.sum(), alpha=weight)
+        self._predicted.add_(predicted.sum(), alpha=weight)
         self.calibrator.update(rows, mass, depth_cal, accept_len.to(predicted.dtype), weight)
 
     def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
