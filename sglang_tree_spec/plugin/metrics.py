@@ -11,7 +11,9 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
   ``sglang:ddtree_accepted_tokens_total`` (auto): drafted request-steps and the accepted draft
   tokens over them (exact), and the calibrated predicted accepted draft tokens (estimated: held
   steps are sampled one in ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the
-  ratio of the rates is the mean predicted / observed accept length over any window.
+  ratio of the rates is the mean predicted / observed accept length over any window. A grafted
+  tree (``--speculative-ddtree-graft``) is not a nested DDTree: its held steps do not calibrate,
+  and the predicted tokens cover its forecast steps alone (that ratio then reads low).
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total``,
   ``sglang:ddtree_step_time_predicted_seconds_total``,
   ``sglang:ddtree_step_time_measured_seconds_total`` (auto): steps the latency model was
