@@ -46,11 +46,17 @@ from sglang_tree_spec.tree.select import (
 
 # Auto: drafted steps a forecast's choice holds for (ControlConfig.hold_steps). A forecast step
 # costs ~20 small tensor ops more than a fixed-budget step (rank, calibrate, choose, cut the
-# tree, update the calibration) and builds a tree one candidate larger than it verifies: on CPU
-# through SGLang, +0.7-1.0 ms on a 12.7 ms step at batch size 2. On a simulated clock
-# (benchmarks/results/budget_sim_cpu_small_pair.md) auto reached 0.98 / 0.98 / 0.99 / 1.03x the
-# best fixed budget at batch sizes 1 / 2 / 4 / 8 holding 8, 0.97 / 0.97 / 0.97 / 1.01x holding 4.
+# tree, update the calibration) and builds the largest candidate's tree: on CPU through SGLang,
+# +0.7-1.0 ms on a 12.7 ms step at batch size 2 (measured with the tree one candidate larger).
+# On a simulated clock (benchmarks/results/budget_sim_cpu_small_pair.md) auto reached 0.98 /
+# 0.98 / 0.99 / 1.03x the best fixed budget at batch sizes 1 / 2 / 4 / 8 holding 8, 0.97 / 0.97
+# / 0.97 / 1.01x holding 4.
 HOLD_STEPS = 8
+# Auto: the choice reads each request's decayed average of its forecasts (ControlConfig.
+# choice_decay), half the weight on the latest. Simulated clock (benchmarks/budget_sim.py, 64
+# prompts): with TIE_RTOL's margin and the tree one candidate above the last choice, 0.976 /
+# 0.973 / 0.987x the best fixed budget at batch sizes 1 / 2 / 4; see TIE_RTOL for the rest.
+CHOICE_DECAY = 0.5
 # Auto: plain steps after a forecast that prefers them while drafting pays on average
 # (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
 # 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8.
@@ -66,7 +72,7 @@ PLAIN_LONG_DECAY = 0.995
 # rates are often within a few percent, closer than the latency model's error (~5-10% on CPU);
 # without it auto leant one candidate too large (small pair, 12 waves: 0.96x / 0.94x the best
 # fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x).
-TIE_RTOL = 0.03
+TIE_RTOL = 0.01
 # Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
 # re-measured cell reads three fresh times (one could not move a window of 16).
 EXPLORE_STEPS = 3
@@ -392,6 +398,7 @@ def make_controller(
         forget_after=FORGET_AFTER,
         hold_steps=HOLD_STEPS,
         tie_rtol=TIE_RTOL,
+        choice_decay=CHOICE_DECAY,
         hard_plain_steps=HARD_PLAIN_STEPS,
         plain_long_decay=PLAIN_LONG_DECAY,
         held_observe_every=HELD_OBSERVE_EVERY,

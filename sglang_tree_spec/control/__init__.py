@@ -5,9 +5,11 @@ whole batch, over a fixed sorted set of candidate budgets (each (bs bucket, N) i
 shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
 
 * Surrogate (:mod:`.surrogate`): A_i(N) from ONE DDTree built at ``tree_budget`` (the
-  candidate above the last choice; the largest when profiling, probing or exploring): the
-  first N nodes by score are the optimal N-tree (nesting), and its expected accepted length is
-  the sum of their path probabilities; one sort + cumsum + gather gives ``[bs, C]``.
+  largest candidate): the first N nodes by score are the optimal N-tree (nesting), and its
+  expected accepted length is the sum of their path probabilities; one sort + cumsum + gather
+  gives ``[bs, C]``. The choice reads each request's decayed average of its forecasts
+  (``ControlConfig.choice_decay``): one step's prediction is noisy, and the choice holds for
+  several steps.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
   estimators rescale the surrogate toward the observed accepted lengths of EVERY drafted step
   (forecast or held: forecast steps alone are the hard ones, and would calibrate low).

@@ -110,6 +110,13 @@ class ControlConfig:
         costs less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
         and ending the hold there made every second step of the tail a forecast).
     tie_rtol: objectives within this relative margin of the best count as ties.
+    choice_decay: the choice reads each request's decayed average of its forecasts' A_i(N)
+        (this weight on the average so far per forecast; 0: the forecast step's own). One
+        step's prediction is noisy: on a hard step every (1 + A(N)) / C(bs, N) is close and the
+        smallest budget wins, on an easy one the largest, and either choice then holds for
+        ``hold_steps`` steps whose text regresses to the mean (replayed small-pair steps at
+        batch size 2: held steps accepted 2.06 draft tokens where their forecasts predicted
+        2.36 at the chosen budget). The average is over the steps the choice will serve.
     plain_long_decay: a second, long-run average of the same sums (this factor per drafted
         step; None: none). With it, drafting "does not pay" only when neither average pays:
         a hard stretch that pulls the recent average under a plain step's rate, for a drafter
@@ -143,6 +150,7 @@ class ControlConfig:
     explore_margin: float = 1.0
     hold_steps: int = 1
     tie_rtol: float = 1e-6
+    choice_decay: float = 0.0
     plain_long_decay: float | None = None
     hard_plain_steps: int = 0
     held_observe_every: int = 1
@@ -157,6 +165,8 @@ class ControlConfig:
                 f"need 1 <= probe_every <= probe_max_every: {self.probe_every}, "
                 f"{self.probe_max_every}"
             )
+        if not 0.0 <= self.choice_decay < 1.0:
+            raise ValueError(f"choice_decay must be in [0, 1), got {self.choice_decay}")
         if not 0.0 <= self.plain_decay < 1.0:
             raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
         if self.plain_long_decay is not None and not 0.0 <= self.plain_long_decay < 1.0:
@@ -189,6 +199,8 @@ class Forecast:
         slots: ``[bs, B]`` int64 the ranked nodes' slots in the tree (for :func:`top_nodes`).
         request_scale: ``[bs]`` per-request calibration factor r_i.
         accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
+        expected: ``[bs, C]`` what the choice reads: each request's decayed average of its
+            forecasts' ``accept`` (``ControlConfig.choice_decay``; ``accept`` itself at 0).
     """
 
     rows: torch.Tensor
@@ -198,6 +210,7 @@ class Forecast:
     slots: torch.Tensor
     request_scale: torch.Tensor
     accept: torch.Tensor
+    expected: torch.Tensor
 
     @property
     def tree_budget(self) -> int:
@@ -262,6 +275,9 @@ class BudgetController:
         self.latency = latency
         self.calibrator = AcceptCalibrator(max_slots, config.max_depth, config.calibration, device)
         self._budgets_t = budget_index(config.budgets, device)  # [C]
+        # per request slot: the decayed average of its forecasts' A_i(N), and whether it has one
+        self._average_accept = torch.zeros(max_slots, len(config.budgets), device=device)
+        self._averaged = torch.zeros(max_slots, dtype=torch.bool, device=device)
         # [predicted (held steps sampled, weighted), accepted (every step)] draft tokens summed
         # over the drafted request-steps, and how many those are
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -275,7 +291,6 @@ class BudgetController:
         self._arrivals = 0  # requests arrived since the last forecast
         self._drafted_steps = 0  # drafted auto steps after the profile (held ones too)
         self._plain_explored = -1  # the drafted-step count at the last plain exploration step
-        self._last_verified: int | None = None  # the last forecast step's verified budget
         # per average (recent: plain_decay; long-run: plain_long_decay), decayed sums over
         # drafted steps of committed tokens per request and of step time / C(bs, 0)
         long = config.plain_long_decay
@@ -340,18 +355,17 @@ class BudgetController:
         return bool(every) and (self._drafted_steps + 1) % every == 0
 
     def tree_budget(self, bs: int) -> int:
-        """Host only: the tree a drafted step builds (and the depths it drafts), the
-        forecast's reach. Fixed: the budget. Auto: the candidate one above the last verified
-        budget, so the choice can climb one candidate a step and the larger trees (and the
-        drafter's deeper LM-head rows) are not paid for while the choice stays below them;
-        the largest candidate before the first forecast and on a probe, which must see every
-        candidate."""
+        """Host only: the tree a drafted step that forecasts builds (and the depths it drafts),
+        the forecast's reach. Fixed: the budget. Auto: the largest candidate, so every forecast
+        predicts every candidate (a held choice serves ``hold_steps`` drafted steps, and the
+        forecast costs one step in ``hold_steps``). Reaching one candidate above the last
+        choice instead saved the larger trees while the choice stayed below them, but trapped it
+        where the rate is not concave in N (batch size 2 on this CPU: B 4 -> 8 costs 1.4 ms, 8 ->
+        16 0.9 ms; auto held B 4 where B 16 was best) and left the per-request averages
+        (``choice_decay``) columns clamped at a smaller tree."""
         if not self.auto:
             return self.config.fixed_budget
-        budgets, last = self.config.budgets, self._last_verified
-        if last is None or self._plain:
-            return budgets[-1]
-        return budgets[min(budgets.index(last) + 1, len(budgets) - 1)]
+        return self.config.budgets[-1]
 
     def held_budget(self, bs: int) -> int | None:
         """Host only, for a step that drafts: its budget when no forecast is needed, counted
@@ -409,7 +423,23 @@ class BudgetController:
         scale = self.calibrator.request_scale(rows)  # [bs]
         accept = prefix_sums_at(weights, self._budgets_t).mul_(scale.unsqueeze(1))
         accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
-        return Forecast(rows, ranked.probs, ranked.depths, weights, ranked.slots, scale, accept)
+        expected = self._average(rows, accept)
+        return Forecast(
+            rows, ranked.probs, ranked.depths, weights, ranked.slots, scale, accept, expected
+        )
+
+    def _average(self, rows: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+        """Sync-free: ``[bs, C]`` each request's decayed average of its forecasts' A_i(N),
+        this one's included (a request's first forecast starts it)."""
+        decay = self.config.choice_decay
+        if not decay:
+            return accept
+        seen = self._averaged[rows].unsqueeze(1)  # [bs, 1]
+        average = torch.where(seen, self._average_accept[rows], accept)
+        average.mul_(decay).add_(accept, alpha=1.0 - decay)
+        self._average_accept[rows] = average
+        self._averaged[rows] = True
+        return average
 
     def _count(self, budget: int) -> int:
         self.last_budget = budget
@@ -437,7 +467,7 @@ class BudgetController:
             return self._count(0)
         self._steps_since_draft = self._arrivals = 0
         self._drafted_steps += 1
-        totals_t = (1.0 + forecast.accept).sum(0)  # [C]
+        totals_t = (1.0 + forecast.expected).sum(0)  # [C]
         read = torch.cat([totals_t, self._held_tokens.to(totals_t.dtype)]).tolist()  # THE read
         totals, held_tokens = read[: len(self.config.budgets)], read[len(self.config.budgets) :]
         self._fold_held(held_tokens)
@@ -468,7 +498,6 @@ class BudgetController:
             self._plain = True
         if not self._plain and self.config.hold_steps > 1:  # best, or the cheapest > 0
             self._hold = (verified, bs, self.config.hold_steps - 1)
-        self._last_verified = verified
         return self._count(verified)
 
     def _note_contenders(
@@ -637,6 +666,7 @@ class BudgetController:
     def reset(self, rows: torch.Tensor) -> None:
         """Sync-free: slots ``rows`` (``[n]`` int64) start a new request's history."""
         self.calibrator.reset(rows)
+        self._averaged[rows] = False
         self._arrivals += rows.numel()
 
     def stats(self) -> ControlStats:
