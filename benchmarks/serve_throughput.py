@@ -190,8 +190,9 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
 
     return {
         "budget_steps": dict(sorted(budgets.items())),
-        "predicted_accept": mean("predicted_accept_tokens_total", "verified_requests_total"),
-        "observed_accept": mean("accepted_tokens_total", "verified_requests_total"),
+        # predicted vs observed on the same (calibrated) request-steps
+        "predicted_accept": mean("predicted_accept_tokens_total", "calibrated_requests_total"),
+        "observed_accept": mean("calibrated_accepted_tokens_total", "calibrated_requests_total"),
         "verified_requests": int(delta.get("verified_requests_total", 0)),
         "step_time_error": mean("step_time_abs_rel_error_total", "timed_steps_total"),
         "step_time_predicted_over_measured": mean(
@@ -356,7 +357,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "interleaved across configurations (tok/s over all of them). `x none`: ratio "
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
-        "predicted vs observed accept length over n verified request-steps; C err: latency "
+        "predicted vs observed accept length over the calibrated request-steps (n: verified "
+        "request-steps); C err: latency "
         "model's mean |step-time error| per step (and its predicted / measured total time "
         "over the round).",
         "",

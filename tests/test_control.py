@@ -688,6 +688,28 @@ def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
     assert stats.mean_predicted_accept == pytest.approx(mean, rel=0.1)  # the sampled estimate
 
 
+def test_predicted_and_observed_accept_are_compared_on_the_same_calibrated_steps():
+    """A grafted tree's held steps do not calibrate (not a nested DDTree: ``decode_step`` calls
+    ``observe_committed`` alone): the prediction covers the forecast steps, and the observed
+    accept length it is compared with (``mean_calibrated_accept``) covers those same steps, here
+    1 token against the held steps' 5; the exact totals still count every step."""
+    budgets, bs, hold = (0, 4, 8), 2, 4
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 2, 64))
+    config = ControlConfig(budgets=budgets, hold_steps=hold, max_depth=15)
+    ctl = BudgetController(config, flat, max_slots=bs)
+    tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
+    for _ in range(50):
+        assert ctl.held_budget(bs) is None
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        ctl.observe(fc, ctl.choose(fc, bs), torch.ones(bs, dtype=torch.long))
+        for _ in range(hold - 1):
+            ctl.observe_committed(ctl.held_budget(bs), torch.full((bs,), 5))
+    stats = ctl.stats()
+    assert stats.calibrated_request_steps == 50 * bs and stats.mean_calibrated_accept == 1.0
+    assert stats.mean_predicted_accept == pytest.approx(1.0, rel=0.1)
+    assert stats.request_steps == 50 * hold * bs and stats.mean_observed_accept == 4.0
+
+
 def test_choice_shrinks_at_a_compute_bound_batch():
     lp, tok = random_marginals(1, 15, 16, 64, seed=11, sharpness=4.0)
     chosen = {}

@@ -10,10 +10,13 @@ from sglang_tree_spec.plugin.metrics import DDTreeMetrics, read_ddtree_metrics
 
 
 def stats(last, pred, obs, count, budgets, err, timed) -> ControlStats:
-    """``pred`` / ``obs``: mean accept lengths over the ``count`` request-steps; the ``timed``
-    steps took 10 ms each, predicted 11."""
+    """``pred`` / ``obs``: mean accept lengths over the ``count`` request-steps, half of them
+    calibrated (observed 0.8 x ``obs`` there); the ``timed`` steps took 10 ms each, predicted
+    11."""
+    timing = (err, timed, 0.011 * timed, 0.01 * timed)
+    calibrated = (0.4 * obs * count, count / 2)
     return ControlStats(
-        last, pred * count, obs * count, count, budgets, [], err, timed, 0.011 * timed, 0.01 * timed
+        last, pred * count / 2, obs * count, count, budgets, [], *timing, *calibrated
     )
 
 
@@ -31,8 +34,10 @@ def test_publish_exports_the_cumulative_stats_once():
     assert samples["steps_total{budget=8}"] == 9
     assert samples["budget"] == 4
     assert samples["verified_requests_total"] == 20
-    assert samples["predicted_accept_tokens_total"] == 50.0  # mean 2.5 over 20 request-steps
     assert samples["accepted_tokens_total"] == 20.0
+    assert samples["calibrated_requests_total"] == 10
+    assert samples["predicted_accept_tokens_total"] == 25.0  # mean 2.5 over the 10 calibrated
+    assert samples["calibrated_accepted_tokens_total"] == 8.0  # 0.8 x 1.0 over the 10
     assert samples["timed_steps_total"] == 10
     assert abs(samples["step_time_abs_rel_error_total"] - 2.0) < 1e-9  # 0.2 over 10 steps
     assert samples["step_time_predicted_seconds_total"] == pytest.approx(0.11)

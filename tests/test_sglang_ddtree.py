@@ -445,7 +445,7 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int], nested: 
     # (a plain run's probes may all fall outside one short request: then no forecast at all)
     assert 0 <= delta["verified_requests_total"] <= steps
     if delta["predicted_accept_tokens_total"] > 0:
-        assert delta["verified_requests_total"] > 0
+        assert 0 < delta["calibrated_requests_total"] and delta["verified_requests_total"] > 0
     if nested and delta["verified_requests_total"] >= step.HELD_OBSERVE_EVERY:
         assert delta["predicted_accept_tokens_total"] > 0
     # step times are periods from one decode step's start to the next: the last step's period

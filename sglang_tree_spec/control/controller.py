@@ -224,8 +224,9 @@ class ControlStats:
     Attributes:
         last_budget: the last step's budget (None before the first).
         predicted_accept_tokens: the calibrated prediction at the verified budget, summed over
-            every drafted request-step: an estimate, since held steps are sampled
-            (``ControlConfig.held_observe_every``), each sample counting for its stride.
+            the calibrated request-steps: every forecast step's and every
+            ``ControlConfig.held_observe_every``-th held one's, each counting for its stride (a
+            grafted tree's held steps are not calibrated: :meth:`BudgetController.observe_held`).
         accepted_tokens: accepted draft tokens over every drafted request-step (exact).
         request_steps: drafted request-steps (exact; budget-0 steps not counted).
         budget_counts: steps per chosen budget.
@@ -234,6 +235,10 @@ class ControlStats:
         latency_steps: how many measured steps that error covers.
         latency_predicted_seconds / latency_measured_seconds: those steps' predicted and
             measured times summed (their ratio: the model's bias over a run).
+        calibrated_accepted_tokens / calibrated_request_steps: the accepted draft tokens and
+            request-steps of the calibrated steps, weighted alike: the sample the prediction
+            covers, so predicted / calibrated accepted tokens compares like with like (for a
+            grafted tree too, whose prediction covers its forecast steps alone).
     """
 
     last_budget: int | None
@@ -246,10 +251,18 @@ class ControlStats:
     latency_steps: int = 0
     latency_predicted_seconds: float = 0.0
     latency_measured_seconds: float = 0.0
+    calibrated_accepted_tokens: float = 0.0
+    calibrated_request_steps: float = 0.0
 
     @property
     def mean_predicted_accept(self) -> float:
-        return self.predicted_accept_tokens / max(self.request_steps, 1)
+        """Over the calibrated request-steps (the prediction's sample)."""
+        return self.predicted_accept_tokens / max(self.calibrated_request_steps, 1.0)
+
+    @property
+    def mean_calibrated_accept(self) -> float:
+        """Observed, over the same calibrated request-steps."""
+        return self.calibrated_accepted_tokens / max(self.calibrated_request_steps, 1.0)
 
     @property
     def mean_observed_accept(self) -> float:
@@ -278,10 +291,11 @@ class BudgetController:
         # per request slot: the decayed average of its forecasts' A_i(N), and whether it has one
         self._average_accept = torch.zeros(max_slots, len(config.budgets), device=device)
         self._averaged = torch.zeros(max_slots, dtype=torch.bool, device=device)
-        # [predicted (held steps sampled, weighted), accepted (every step)] draft tokens summed
-        # over the drafted request-steps, and how many those are
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
-        self._predicted, self._accepted = self._totals.unbind()  # views: no op per step
+        # draft tokens summed over request-steps: [predicted, accepted] over the calibrated ones
+        # (held steps sampled, weighted), accepted over every drafted one; and their counts
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)
+        self._predicted, self._calibrated, self._accepted = self._totals.unbind()  # views
+        self._calibrated_steps = 0.0
         self._request_steps = 0
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
@@ -617,6 +631,8 @@ class BudgetController:
         calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         self._predicted.add_(predicted.sum(), alpha=weight)
+        self._calibrated.add_(accept_len.sum(), alpha=weight)
+        self._calibrated_steps += weight * accept_len.numel()
         self.calibrator.update(rows, mass, depth_cal, accept_len.to(predicted.dtype), weight)
 
     def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
@@ -671,7 +687,7 @@ class BudgetController:
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""
-        predicted, accepted = self._totals.tolist()
+        predicted, calibrated, accepted = self._totals.tolist()
         return ControlStats(
             last_budget=self.last_budget,
             predicted_accept_tokens=predicted,
@@ -689,4 +705,6 @@ class BudgetController:
             latency_measured_seconds=(
                 self.latency.measured_seconds if self.latency is not None else 0.0
             ),
+            calibrated_accepted_tokens=calibrated,
+            calibrated_request_steps=self._calibrated_steps,
         )

@@ -7,13 +7,15 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
 
 * ``sglang:ddtree_steps_total{budget}``: decode steps verified at each budget (0: plain step).
 * ``sglang:ddtree_budget``: the last step's budget.
-* ``sglang:ddtree_verified_requests_total``, ``sglang:ddtree_predicted_accept_tokens_total``,
-  ``sglang:ddtree_accepted_tokens_total`` (auto): drafted request-steps and the accepted draft
-  tokens over them (exact), and the calibrated predicted accepted draft tokens (estimated: held
-  steps are sampled one in ``step.HELD_OBSERVE_EVERY``, each counting for its stride); the
-  ratio of the rates is the mean predicted / observed accept length over any window. A grafted
-  tree (``--speculative-ddtree-graft``) is not a nested DDTree: its held steps do not calibrate,
-  and the predicted tokens cover its forecast steps alone (that ratio then reads low).
+* ``sglang:ddtree_verified_requests_total``, ``sglang:ddtree_accepted_tokens_total`` (auto):
+  drafted request-steps and the accepted draft tokens over them (exact).
+* ``sglang:ddtree_calibrated_requests_total``, ``sglang:ddtree_predicted_accept_tokens_total``,
+  ``sglang:ddtree_calibrated_accepted_tokens_total`` (auto): the request-steps the calibration
+  learnt from (every forecast step's, and one held step's in ``step.HELD_OBSERVE_EVERY``
+  counting for its stride), the calibrated predicted accepted draft tokens over them and their
+  observed ones: predicted / calibrated accepted is the mean predicted / observed accept length
+  over any window, on the same steps (a grafted tree, ``--speculative-ddtree-graft``, is not
+  a nested DDTree: its held steps do not calibrate, and the sample is its forecast steps).
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total``,
   ``sglang:ddtree_step_time_predicted_seconds_total``,
   ``sglang:ddtree_step_time_measured_seconds_total`` (auto): steps the latency model was
@@ -56,11 +58,16 @@ class DDTreeMetrics:
             registry=registry,
         )
         self.request_steps = counter("verified_requests", "DDTREE drafted request-steps")
-        self.predicted = counter(
-            "predicted_accept_tokens",
-            "DDTREE calibrated predicted accepted draft tokens (held steps sampled)",
-        )
         self.observed = counter("accepted_tokens", "DDTREE accepted draft tokens")
+        self.calibrated_steps = counter(
+            "calibrated_requests", "DDTREE request-steps calibrated (held steps sampled, weighted)"
+        )
+        self.predicted = counter(
+            "predicted_accept_tokens", "DDTREE predicted accepted draft tokens (calibrated steps)"
+        )
+        self.calibrated = counter(
+            "calibrated_accepted_tokens", "DDTREE accepted draft tokens (calibrated steps)"
+        )
         self.timed_steps = counter("timed_steps", "DDTREE steps the latency model was checked on")
         self.latency_error = counter(
             "step_time_abs_rel_error", "DDTREE sum of |predicted - measured| / measured step time"
@@ -73,8 +80,10 @@ class DDTreeMetrics:
         )
         for metric in (
             self.request_steps,
-            self.predicted,
             self.observed,
+            self.calibrated_steps,
+            self.predicted,
+            self.calibrated,
             self.timed_steps,
             self.latency_error,
             self.latency_predicted,
@@ -94,8 +103,18 @@ class DDTreeMetrics:
             self.budget.labels(**self.labels).set(stats.last_budget)
         for metric, now, before in (
             (self.request_steps, stats.request_steps, last.request_steps),
-            (self.predicted, stats.predicted_accept_tokens, last.predicted_accept_tokens),
             (self.observed, stats.accepted_tokens, last.accepted_tokens),
+            (
+                self.calibrated_steps,
+                stats.calibrated_request_steps,
+                last.calibrated_request_steps,
+            ),
+            (self.predicted, stats.predicted_accept_tokens, last.predicted_accept_tokens),
+            (
+                self.calibrated,
+                stats.calibrated_accepted_tokens,
+                last.calibrated_accepted_tokens,
+            ),
             (self.timed_steps, stats.latency_steps, last.latency_steps),
             (
                 self.latency_error,
