@@ -53,9 +53,11 @@ from sglang_tree_spec.tree.select import (
 # / 0.97 / 1.01x holding 4.
 HOLD_STEPS = 8
 # Auto: the choice reads each request's decayed average of its forecasts (ControlConfig.
-# choice_decay), half the weight on the latest. Simulated clock (benchmarks/budget_sim.py, 64
-# prompts): with TIE_RTOL's margin and the tree one candidate above the last choice, 0.976 /
-# 0.973 / 0.987x the best fixed budget at batch sizes 1 / 2 / 4; see TIE_RTOL for the rest.
+# choice_decay), half the weight on the latest. Simulated clock, 64 prompts
+# (benchmarks/results/budget_sim_cpu_small_pair_v2.md): 0.990 / 0.988 / 0.984 / 1.020x the best
+# fixed budget at batch sizes 1 / 2 / 4 / 8; without the average 0.982 / 0.982 / 0.991 / 1.022x
+# (plain steps at batch size 1: 46 against 16). Before session 27 (the forecast's tree one
+# candidate above the last choice, no average, TIE_RTOL 0.03): 0.976 / 0.973 / 0.987 / 1.021x.
 CHOICE_DECAY = 0.5
 # Auto: plain steps after a forecast that prefers them while drafting pays on average
 # (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
@@ -71,7 +73,9 @@ PLAIN_LONG_DECAY = 0.995
 # best smaller one's by this margin (ControlConfig.tie_rtol). Neighbouring budgets' predicted
 # rates are often within a few percent, closer than the latency model's error (~5-10% on CPU);
 # without it auto leant one candidate too large (small pair, 12 waves: 0.96x / 0.94x the best
-# fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x).
+# fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x). Since the choice reads averaged
+# forecasts (CHOICE_DECAY), 1%: simulated clock as above, 3% gave 0.989 / 0.980 / 0.979 / 1.017x
+# (B 4 held at batch size 2 where B 16 was best), 1% 0.990 / 0.988 / 0.984 / 1.020x.
 TIE_RTOL = 0.01
 # Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
 # re-measured cell reads three fresh times (one could not move a window of 16).
