@@ -385,8 +385,8 @@ def make_controller(
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
     every profiled batch-size bucket, each cell the median of 3 steps; every 32nd drafted step
     then re-measures the stalest contender (``EXPLORE_MARGIN``) for ``EXPLORE_STEPS`` steps;
-    a choice holds for
-    ``HOLD_STEPS`` drafted steps; a larger budget must beat the best smaller one by
+    a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
+    forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
     drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run)."""
     if not config.auto:

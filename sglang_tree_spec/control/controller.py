@@ -116,7 +116,8 @@ class ControlConfig:
         smallest budget wins, on an easy one the largest, and either choice then holds for
         ``hold_steps`` steps whose text regresses to the mean (replayed small-pair steps at
         batch size 2: held steps accepted 2.06 draft tokens where their forecasts predicted
-        2.36 at the chosen budget). The average is over the steps the choice will serve.
+        2.36 at the chosen budget): the request's average predicts them better than the one
+        step that chose their budget. A request arriving in a slot starts a new average.
     plain_long_decay: a second, long-run average of the same sums (this factor per drafted
         step; None: none). With it, drafting "does not pay" only when neither average pays:
         a hard stretch that pulls the recent average under a plain step's rate, for a drafter
