@@ -78,11 +78,11 @@ PLAIN_LONG_DECAY = 0.995
 # (B 4 held at batch size 2 where B 16 was best), 1% 0.990 / 0.988 / 0.984 / 1.020x.
 TIE_RTOL = 0.01
 # Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
-# re-measured cell reads three fresh times (one could not move a window of 16).
+# re-measured cell reads three fresh times (LatencyConfig.first_steps).
 EXPLORE_STEPS = 3
-# Auto: drafted steps after which an unmeasured cell drops its old times at its next measurement
+# Auto: drafted steps after which an unmeasured cell drops its cost at its next measurement
 # (ControlConfig.forget_after). The latency model's load rescales times taken at another speed
-# of the machine, so a cell's old times stay comparable; 512 drafted steps is several requests'
+# of the machine, so a cell's old cost stays comparable; 512 drafted steps is several requests'
 # lifetimes at any concurrency, long enough for their contexts to have changed the cost.
 FORGET_AFTER = 512
 # Auto: explorations re-measure the contenders alone, the budgets whose predicted rate at the

@@ -738,39 +738,65 @@ def test_fixed_mode_same_interface_no_latency():
 
 def test_profile_measures_every_candidate_before_choosing():
     """With ``profile_steps``, each candidate's cell is measured (budget 0 without drafting)
-    before the model chooses; then the choice is the model's."""
-    ctl = roofline_controller(profile_steps=1)
+    before the model chooses, round robin (every step a switch: a slow spell of the machine
+    does not set whole cells); then the choice is the model's."""
+    ctl = roofline_controller(profile_steps=2)
     tree = strong_or_useless_tree(1, strong=False)
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
     order = []
-    for _ in range(len(ctl.config.budgets)):
+    for _ in range(2 * len(ctl.config.budgets)):
         budget, drafted = step_budget(ctl, 1, None)  # a profile step needs no forecast
         ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
         order.append((budget, drafted))
-    assert order == [(0, False)] + [(b, True) for b in ctl.config.budgets[1:]]
+    assert order == 2 * ([(0, False)] + [(b, True) for b in ctl.config.budgets[1:]])
     assert step_budget(ctl, 1, fc) == (4, True)  # profiled: useless drafter -> plain
     assert step_budget(ctl, 1, fc) == (0, False)
 
 
-def test_a_cell_reads_the_median_of_its_recent_samples():
-    """Warm-up and bursts of load only add time, several steps at a time: a cell reads the
-    lower median of its last ``window`` samples, so a slow first forward or a burst shorter
-    than half the window does not move it, while a lasting change does (no load here: one
-    cell alone cannot tell its own cost from the machine's speed)."""
-    config = LatencyConfig(window=8, load_window=0)
-    model = LatencyModel([[1.0, 1.0]], (0, 8), bs_buckets=(1,), config=config)
+def test_a_cell_is_set_by_its_first_times_and_then_moved_by_switches_alone():
+    """A cell's first ``first_steps`` times set its cost (their lower median: a slow warm-up
+    step does not). After that, one cell's times compared with each other measure the
+    machine, not the cell: a lasting slowdown while one budget runs moves the load, and the
+    other cell with it. Only a switch between cells measures one cost against the other:
+    the first switches are averaged, so a few reach the true ratio, and later ones move it a
+    tenth of the way (``pair_rate``): a burst across one switch then moves the ratio by
+    ``pair_rate * pair_clip`` at most."""
+    budgets = (0, 8)
+    model = LatencyModel([[1.0, 1.0]], budgets, bs_buckets=(1,))
     for seconds in (5.0, 0.2, 0.3):  # a slow first step (warm-up), then the real cost
         model.record(1, 8, seconds)
     assert model.seconds(1, 8) == pytest.approx(0.3)
-    for seconds in (0.2, 0.25, 0.3, 0.2, 0.25):
-        model.record(1, 8, seconds)
-    assert model.seconds(1, 8) == pytest.approx(0.25)
-    for _ in range(3):  # a burst of three steps at twice the cost
-        model.record(1, 8, 0.5)
-    assert model.seconds(1, 8) == pytest.approx(0.25)
-    for _ in range(5):  # the cost itself changed: after half a window the cell follows
-        model.record(1, 8, 0.5)
-    assert model.seconds(1, 8) == pytest.approx(0.5)
+    for _ in range(8):  # the machine twice as slow while budget 8 runs
+        model.record(1, 8, 0.6)
+    assert model.load == pytest.approx(2.0)
+    assert model.seconds(1, 8) == pytest.approx(0.6)
+    for _ in range(3):  # budget 0's first times, at the slow speed: its cost at load 1 is 0.1
+        model.record(1, 0, 0.2)
+    plain, eight = model.row(1)
+    assert eight / plain == pytest.approx(3.0)
+    for _ in range(4):  # budget 8 truly costs 3.3 plain steps: four switches each way...
+        model.record(1, 8, 0.66)
+        model.record(1, 0, 0.2)
+    plain, eight = model.row(1)
+    assert eight / plain == pytest.approx(3.3, rel=0.01)  # ... find it
+    assert plain == pytest.approx(0.2, rel=0.01)  # times the load, as measured now
+    for _ in range(40):  # established cells
+        model.record(1, 8, 0.66)
+        model.record(1, 0, 0.2)
+    model.record(1, 8, 1.32)  # a burst of twice the time across a switch: the ratio moves 2%
+    plain, eight = model.row(1)
+    assert eight / plain == pytest.approx(3.3 * math.exp(0.02), rel=1e-3)
+    for _ in range(200):  # the cost of 8 changes to 4.5 plain steps: switches follow
+        model.record(1, 0, 0.2)
+        model.record(1, 8, 0.9)
+    plain, eight = model.row(1)
+    assert eight / plain == pytest.approx(4.5, rel=0.01)
+    model.forget(1, 8)  # a forgotten cell's next first times set it afresh
+    for _ in range(3):
+        model.record(1, 8, 0.4)
+    assert model.row(1)[1] == pytest.approx(0.4, rel=0.01)
+    with pytest.raises(ValueError):
+        LatencyModel([[1.0, 1.0]], budgets, (1,), LatencyConfig(load_window=0))
 
 
 def test_cells_measured_at_other_speeds_of_the_machine_compare_as_budgets():
@@ -785,6 +811,7 @@ def test_cells_measured_at_other_speeds_of_the_machine_compare_as_budgets():
     for _ in range(8):  # both measured at the machine's usual speed: 16 costs 10% more
         model.record(1, 8, 0.010)
         model.record(1, 16, 0.011)
+    model.record(1, 8, 0.010)
     assert model.load == pytest.approx(1.0)
     for _ in range(3):  # a burst of three steps: the load (median of 8 ratios) holds
         model.record(1, 8, 0.020)
@@ -794,16 +821,9 @@ def test_cells_measured_at_other_speeds_of_the_machine_compare_as_budgets():
     assert model.load == pytest.approx(1.33)
     eight, sixteen = model.row(1)
     assert eight == pytest.approx(0.0133)
-    assert sixteen / eight == pytest.approx(1.1)  # 16's old times, at today's speed
+    assert sixteen / eight == pytest.approx(1.1)  # 16's cost, at today's speed
     model.record(1, 16, 0.0146)  # 16 at the new speed: agrees, nothing moves
     assert model.row(1) == pytest.approx([0.0133, 0.0146], rel=0.01)
-    unloaded = LatencyModel([[1.0, 1.0]], budgets, (1,), LatencyConfig(load_window=0))
-    for seconds in [0.010, 0.011] * 8 + [0.020] * 3:
-        unloaded.record(1, 8 if seconds != 0.011 else 16, seconds)
-    for _ in range(16):
-        unloaded.record(1, 8, 0.0133)
-    eight, sixteen = unloaded.row(1)  # without: 16's old times undercut 8's, the row pools
-    assert sixteen == pytest.approx(eight)  # them, and a bigger tree reads free
 
 
 def test_isotonic_pools_decreasing_runs_by_weight():

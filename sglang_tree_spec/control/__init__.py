@@ -13,9 +13,10 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
 * Calibration (:mod:`.calibration`): per-depth (pooled) and per-request (slot-indexed) ratio
   estimators rescale the surrogate toward the observed accepted lengths of EVERY drafted step
   (forecast or held: forecast steps alone are the hard ones, and would calibrate low).
-* Latency (:mod:`.latency`): C(bs, N) = per-cell median of recent measured step times, each
-  divided by the machine's load when measured and read back times today's (so cells measured
-  at different speeds of the machine compare as budgets), else the column's measured
+* Latency (:mod:`.latency`): C(bs, N) = per-cell log costs, each set by its cell's first
+  times and then moved by switches between cells (two consecutive steps: one speed of the
+  machine), read back times the machine's load now (so cells measured at different speeds of
+  the machine compare as budgets), else the column's measured
   neighbouring batch sizes, else a roofline prior under an online linear calibration; host
   floats, ``record(bs, N, seconds)``.
 * Budget 0 is a plain decode step (no drafter; C(bs, 0) is per target forward, a step may run

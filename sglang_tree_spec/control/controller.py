@@ -94,10 +94,10 @@ class ControlConfig:
         for nothing (budget 32 at batch size 16 costs twice budget 4's step).
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times.
-    forget_after: a cell last measured this many drafted steps ago or more drops its old times
-        at its next measurement (None: ``explore_every``; 0: never), so it reads fresh times
-        alone: one fresh time in a window of old ones would not move its median. The latency
-        model's load already rescales times taken at another speed of the machine; this is
+    forget_after: a cell last measured this many drafted steps ago or more drops its cost at
+        its next measurement (None: ``explore_every``; 0: never), so its fresh times set it
+        afresh: a switch moves a cost a tenth of the way (``LatencyConfig.pair_rate``). The
+        latency model's load already rescales times taken at another speed of the machine; this is
         for what changed the cell itself (longer contexts, other requests).
     hold_steps: a budget > 0 chosen by a forecast holds for this many drafted steps (the forecast
         step included) while the batch is the same: the steps after it draft and build at that
@@ -327,18 +327,22 @@ class BudgetController:
         return self.config.fixed_budget is None
 
     def _to_profile(self, bs: int) -> int | None:
-        """The first candidate whose C(bs, N) cell has fewer than ``profile_steps``
-        measurements, or None once the bucket is profiled (or is not one the profile fills:
-        :meth:`LatencyModel.profiles`)."""
+        """The first candidate of the fewest measurements in its C(bs, N) cell while that is
+        under ``profile_steps``, or None once the bucket is profiled (or is not one the
+        profile fills: :meth:`LatencyModel.profiles`). Round robin (0, 4, 8, ..., 0, 4, ...):
+        every step a switch, each cell's times spread over the profile, so one slow spell of
+        the machine does not set whole cells (measured in a row, budgets 8-32 at batch size 4
+        read 1.6x budget 4's step where they cost 1.2x, and were never explored again)."""
         latency = self.latency
         if not latency.profiles(bs):
             return None
         counts = latency.count[bucket_of(latency.bs_buckets, bs)]
-        return next(
-            (b for b, n in zip(self.config.budgets, counts, strict=True)
-             if n < self.config.profile_steps),
-            None,
-        )  # fmt: skip
+        fewest = min(counts)
+        return (
+            self.config.budgets[counts.index(fewest)]
+            if fewest < self.config.profile_steps
+            else None
+        )
 
     def _stalest(self, bs: int, drafted: bool) -> int:
         """The contender of ``bs``'s bucket (``ControlConfig.explore_margin``) measured
@@ -673,7 +677,7 @@ class BudgetController:
 
     def latency_line(self, bs: int) -> str:
         """Host: the latency model's C(bs, N) per candidate in ms and the steps measured in its
-        cell, ``"0:6.1/12 4:7.0/80 ..."`` (a measured cell's median, else the calibrated prior),
+        cell, ``"0:6.1/12 4:7.0/80 ..."`` (a measured cell's cost, else the calibrated prior),
         for the log."""
         row = self.latency.row(bs)
         counts = self.latency.count[bucket_of(self.latency.bs_buckets, bs)]

@@ -17,22 +17,26 @@ overhead (tree build, layout) and the drafter's own roofline over bs * block tok
 
 Online (host floats, no device work): every measured step feeds (a) a per-device linear
 calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
-"static linear calibration" learned online) and (b) per cell, its last ``window`` measured
-times. A measured cell reads their median, an unmeasured one the calibrated prior. Step times on
-a shared machine come in bursts (the OS, a neighbour, the server's own other work: periods twice
-the usual, several in a row); an average takes them in, and since a cell is only measured when
-its budget is chosen, a rarely chosen cell keeps the burst it last saw (an average made drafted
-cells look 25-50% dearer than plain steps). The median is what the next step costs outside a
-burst. A shared machine also drifts more slowly (on this 2-core VM a fixed budget's 16-step
-median ranges over +-16% within a run), and a cell is measured only when its budget runs, so
-cells measured minutes apart would compare the machine's speeds, not the budgets': every time is
-stored divided by the machine's current load, the median ratio of the last ``load_window``
-steps' times to their cells (a slowdown that hits every shape alike moves the load, not the
-cells), and a row is read back times the current load. A batch-size bucket's row is then made
-non-decreasing in N (a weighted isotonic fit,
-measured cells weighing by their sample count; unmeasured cells clamped between their measured
-neighbours): a bigger tree never costs less, so a cell measured under a burst of load, or
-rarely, is pooled with its neighbours instead of standing out.
+"static linear calibration" learned online) and (b) the cells' log costs. Step times on a
+shared machine swing with its speed: bursts (the OS, a neighbour, the server's own other work:
+periods twice the usual, several in a row) and slower drifts (on this 2-core VM a fixed budget's
+16-step median ranges over +-16% within a run), while a cell is only measured when its budget
+runs. So a cell's times compared with each other measure the machine, not the cell; the one
+measure of one cell's cost against another's is a switch between them: two consecutive steps,
+one speed of the machine. A cell's cost is set by its first ``first_steps`` times over the
+machine's load then (their lower median: a warm-up step alone does not set it); after that only
+switches move costs, each moving the two cells' log-cost difference toward the one it measured
+(a cell's first switches averaged, later ones ``pair_rate`` of the way; the error clipped to
+``pair_clip``: a burst across a switch is not a cost).
+The machine's load is the median ratio of the last ``load_window`` steps' times to their
+cells' costs, and a row is read back times it. Earlier, every time was stored over the load and
+each cell read the median of its own: a burst while one budget held raised its cell before the
+load caught up, the choice left it, and the budget chosen next was measured as the burst ended,
+its times divided by a load still high: cells read as cheap as the moments they were chosen at
+(small-pair server at batch size 1: budget 4 at 0.85x budget 16's cost where its steps took
+0.95x, and auto chose it on 7% of steps). A batch-size bucket's row is then made
+non-decreasing in N (a weighted isotonic fit, measured cells weighing by their step counts;
+unmeasured cells clamped between their measured neighbours): a bigger tree never costs less.
 
 Batch sizes map to buckets as the device runs them: the smallest bucket >= bs where CUDA graphs
 pad a batch to their captured sizes (:data:`DEFAULT_BS_BUCKETS`), every batch size where nothing
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -233,16 +238,27 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 @dataclass(frozen=True)
 class LatencyConfig:
     """Attributes:
-    window: a cell reads the (lower) median of its last this many measured times.
+    first_steps: a cell's first this many times set its cost (the lower median of each over
+        the machine's load then): a warm-up step alone does not.
     load_window: the machine's load is the median ratio of this many latest times to their
-        cells' (0: no load, times stored as measured).
+        cells.
+    pair_rate: each switch between two measured cells moves their log-cost difference this
+        fraction of the way to the one the switch measured (its error clipped to
+        ``pair_clip``), once both cells have seen enough switches: a cell's own share of the
+        move is 1 / (2 + its switches so far) until that falls to half this (its first switches
+        are averaged, not decayed: a cell set by a few steps in a burst of load is corrected
+        by its next switches, not a tenth of the way each).
+    pair_clip: the largest log-cost error one switch moves by (a burst of load across a switch
+        is not a cost).
     calib_decay: per-measurement decay of the linear calibration's sums.
-    max_weight: a measured cell's weight in its row's isotonic fit is the number of times in its
-        window, up to this.
+    max_weight: a measured cell's weight in its row's isotonic fit is the number of times it
+        was measured, up to this.
     """
 
-    window: int = 16
+    first_steps: int = 3
     load_window: int = 8
+    pair_rate: float = 0.1
+    pair_clip: float = 0.2
     calib_decay: float = 0.995
     max_weight: float = 8.0
 
@@ -262,17 +278,20 @@ class LatencyModel:
         of ``bs_buckets``; see :meth:`profiles`)."""
         if len(prior) != len(bs_buckets) or any(len(row) != len(budgets) for row in prior):
             raise ValueError("prior must be [len(bs_buckets)][len(budgets)]")
+        if config.load_window < 1 or config.first_steps < 1:
+            raise ValueError("load_window and first_steps must be >= 1")
         self.prior = [list(map(float, row)) for row in prior]
         self.budgets = tuple(budgets)
         self.bs_buckets = tuple(bs_buckets)
         self.config = config
         profiled = self.bs_buckets if profile_buckets is None else profile_buckets
         self._profiled = frozenset(profiled) & frozenset(self.bs_buckets)
-        self._measured = [[] for _ in budgets]  # per column, sorted buckets with samples
+        self._measured = [[] for _ in budgets]  # per column, sorted buckets with a cost
         self._col = {b: i for i, b in enumerate(self.budgets)}
-        self._samples = [
-            [collections.deque(maxlen=config.window) for _ in budgets] for _ in bs_buckets
-        ]  # per cell, its last ``window`` times
+        self._cost: dict[tuple[int, int], float] = {}  # (bucket, column) -> log s at load 1
+        self._first: dict[tuple[int, int], list[float]] = {}  # a cell's first log s / load
+        self._switches: dict[tuple[int, int], int] = {}  # per cell, switches it has seen
+        self._last: tuple[tuple[int, int], float] | None = None  # last cell, its log time
         self.count = [[0] * len(budgets) for _ in bs_buckets]
         self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
         self._abs_rel_err = 0.0
@@ -280,7 +299,7 @@ class LatencyModel:
         self.predicted_seconds = 0.0  # summed over the recorded steps, each before its update
         self.measured_seconds = 0.0
         self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
-        self._ratios = collections.deque(maxlen=config.load_window)  # time / its cell
+        self._residuals = collections.deque(maxlen=config.load_window)  # log time - its cost
         self.load = 1.0  # the machine's speed now over its speed when the cells were measured
 
     @classmethod
@@ -332,7 +351,7 @@ class LatencyModel:
 
     def row(self, bs: int) -> list[float]:
         """``[C]`` C(bs, N) for every candidate budget, non-decreasing in N: the measured cells'
-        medians under a weighted isotonic fit (weights: sample counts), and between them the
+        costs under a weighted isotonic fit (weights: step counts), and between them the
         column's nearest measured buckets (:meth:`_unmeasured`), clamped to the fitted cells on
         either side; times the machine's current load."""
         return [self.load * seconds for seconds in self._unloaded_row(bs)]
@@ -344,14 +363,14 @@ class LatencyModel:
         return self._rows[bucket]
 
     def _fit_row(self, bucket: int) -> list[float]:
-        samples = self._samples[bucket]
-        measured = [c for c, times in enumerate(samples) if times]
+        measured = [c for c in range(len(self.budgets)) if (bucket, c) in self._cost]
+        counts = self.count[bucket]
         fitted = dict(
             zip(
                 measured,
                 isotonic(
-                    [statistics.median_low(samples[c]) for c in measured],
-                    [min(float(len(samples[c])), self.config.max_weight) for c in measured],
+                    [math.exp(self._cost[bucket, c]) for c in measured],
+                    [min(float(counts[c]), self.config.max_weight) for c in measured],
                 ),
                 strict=True,
             )
@@ -374,10 +393,9 @@ class LatencyModel:
         one below and the one above, else the one side's; 1 when the column has none)."""
         rows = self._measured[column]
         at = bisect.bisect_left(rows, bucket)
-        near = rows[max(at - 1, 0) : at + 1]  # the cell's own bucket has no samples
+        near = rows[max(at - 1, 0) : at + 1]  # the cell's own bucket has no cost
         ratio = [
-            statistics.median_low(self._samples[r][column]) / self.calibrated_prior(r, column)
-            for r in near
+            math.exp(self._cost[r, column]) / self.calibrated_prior(r, column) for r in near
         ] or [1.0]
         if len(near) == 2:
             lo, hi = (self.bs_buckets[r] for r in near)
@@ -395,28 +413,50 @@ class LatencyModel:
         self._err_count += 1
         self.predicted_seconds += predicted
         self.measured_seconds += seconds
-        samples = self._samples[bucket][column]
-        if samples and self.config.load_window:
-            self._ratios.append(seconds / statistics.median_low(samples))
-            self.load = statistics.median_low(self._ratios)
-        seconds /= self.load  # at the speed the cells were measured at
-        x = self.prior[bucket][column]
-        d = self.config.calib_decay
-        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
-            self._sums[i] = self._sums[i] * d + v
-        if not samples:
+        cell, x = (bucket, column), math.log(seconds)
+        if cell not in self._cost:  # unmeasured (or forgotten): its first times set it
+            self._first[cell] = []
             bisect.insort(self._measured[column], bucket)
-        samples.append(seconds)
+        first = self._first.get(cell)
+        if first is not None:
+            first.append(x - math.log(self.load))  # at the speed the cells were measured at
+            self._cost[cell] = statistics.median_low(first)
+            if len(first) == self.config.first_steps:
+                del self._first[cell]
+        elif self._last is not None and self._last[0] != cell and self._last[0] in self._cost:
+            self._pair(self._last[0], self._last[1], cell, x)
+        self._last = (cell, x)
+        self._residuals.append(x - self._cost[cell])
+        self.load = math.exp(statistics.median_low(self._residuals))
+        prior, y = self.prior[bucket][column], math.exp(self._cost[cell])
+        d = self.config.calib_decay
+        for i, v in enumerate((1.0, prior, y, prior * prior, prior * y)):
+            self._sums[i] = self._sums[i] * d + v
         self.count[bucket][column] += 1
         self._rows.clear()  # the calibration moved every prior: every row is refitted
         return True
 
+    def _pair(self, a: tuple[int, int], xa: float, b: tuple[int, int], xb: float) -> None:
+        """A switch from cell ``a`` (log time ``xa``) to cell ``b`` (``xb``): two times taken
+        at one speed of the machine, the only measure of one cell's cost against another's
+        (times of one cell in a row are compared with themselves). Their log-cost difference
+        moves toward the measured one (error clipped), each cell by its own share
+        (``LatencyConfig.pair_rate``)."""
+        clip, floor = self.config.pair_clip, 0.5 * self.config.pair_rate
+        error = max(-clip, min(clip, (xb - xa) - (self._cost[b] - self._cost[a])))
+        for cell, sign in ((a, -1.0), (b, 1.0)):
+            seen = self._switches.get(cell, 0)
+            self._cost[cell] += sign * max(floor, 1.0 / (2 + seen)) * error
+            self._switches[cell] = seen + 1
+
     def forget(self, bs: int, budget: int) -> None:
-        """Drop the times of ``bs``'s bucket's ``budget`` cell (its count stays: the profile
-        is not repeated); the cell reads its next measurements alone."""
+        """Drop the cost of ``bs``'s bucket's ``budget`` cell (its count stays: the profile is
+        not repeated); its next ``first_steps`` times set it afresh."""
         column, bucket = self._col.get(budget), bucket_of(self.bs_buckets, bs)
-        if column is not None and self._samples[bucket][column]:
-            self._samples[bucket][column].clear()
+        if column is not None and (bucket, column) in self._cost:
+            del self._cost[bucket, column]
+            self._first.pop((bucket, column), None)
+            self._switches.pop((bucket, column), None)
             self._measured[column].remove(bucket)
             self._rows.clear()
 
