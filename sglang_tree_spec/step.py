@@ -78,7 +78,8 @@ PLAIN_LONG_DECAY = 0.995
 # (B 4 held at batch size 2 where B 16 was best), 1% 0.990 / 0.988 / 0.984 / 1.020x.
 TIE_RTOL = 0.01
 # Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
-# re-measured cell reads three fresh times (LatencyConfig.first_steps).
+# re-measured cell reads three fresh times (a forgotten cell's LatencyConfig.first_steps; any
+# other is moved by the switches into and out of it).
 EXPLORE_STEPS = 3
 # Auto: drafted steps after which an unmeasured cell drops its cost at its next measurement
 # (ControlConfig.forget_after). The latency model's load rescales times taken at another speed
