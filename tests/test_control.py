@@ -266,6 +266,20 @@ def test_latency_refinement_converges_to_measured_times():
     assert model.seconds(1, 32) == pytest.approx(1.5 * truth[0][2], rel=0.02)
 
 
+def test_an_unmeasured_cell_keeps_its_columns_ratio_to_its_rows_measured_cells():
+    """A row with some cells measured scales its others, read from the measured buckets, by
+    how its measured cells compare with those buckets: budget 4 at batch size 2 costs 1.5x
+    its batch-size-1 cell, so budgets 0 and 8 there read 1.5x theirs, not 1x (which made them
+    look cheap next to the measured cell)."""
+    model = LatencyModel([[0.01, 0.01, 0.01]] * 2, (0, 4, 8), bs_buckets=(1, 2))
+    for budget, seconds in ((0, 0.010), (4, 0.012), (8, 0.016)):
+        for _ in range(3):
+            model.record(1, budget, seconds)
+    model.record(2, 4, 0.018)
+    assert model.load == pytest.approx(1.0)
+    assert model.row(2) == pytest.approx([0.015, 0.018, 0.024])
+
+
 def test_unpadded_batch_sizes_are_cells_of_their_own_between_profiled_neighbours():
     """Where nothing pads a batch (a CPU), every batch size is a cell: a step of 11 requests
     is not recorded as one of 16 (which costs more). Only the usual buckets are profiled; a
@@ -751,6 +765,30 @@ def test_profile_measures_every_candidate_before_choosing():
     assert order == 2 * ([(0, False)] + [(b, True) for b in ctl.config.budgets[1:]])
     assert step_budget(ctl, 1, fc) == (4, True)  # profiled: useless drafter -> plain
     assert step_budget(ctl, 1, fc) == (0, False)
+
+
+def test_after_one_whole_profile_a_bucket_profiles_its_contenders_alone():
+    """Once one bucket's row is measured for every candidate, another profiled bucket forecasts
+    first (its unmeasured cells read the measured row) and profiles only the budgets within
+    ``explore_margin`` of the best: round robin, then the model's choice."""
+    ctl = roofline_controller(profile_steps=2, explore_margin=0.15)
+    cost = {0: 0.010, 4: 0.012, 8: 0.013, 16: 0.015, 32: 0.020, 64: 0.030}  # per forward
+    for _ in range(2 * len(cost)):  # batch size 1: every candidate, twice
+        budget, drafted = step_budget(ctl, 1, None)
+        ctl.record_step(1, budget, cost[budget], drafted)
+    assert ctl.latency.count[0] == [2] * len(cost)
+    tree = strong_or_useless_tree(2, strong=True)
+    fc = ctl.forecast(torch.arange(2), tree.logprobs, tree.depths, tree.valid)
+    assert ctl.should_draft(2) and ctl.held_budget(2) is None  # a forecast first
+    ctl.choose(fc, 2)
+    order = []
+    for _ in range(6):
+        budget, drafted = step_budget(ctl, 2, fc)
+        ctl.record_step(2, budget, 1.5 * cost[budget], drafted)
+        order.append(budget)
+    assert order == [8, 16, 32, 8, 16, 32]  # the contenders, twice; 0, 4 and 64 lose by > 15%
+    assert ctl.latency.count[1] == [0, 0, 2, 2, 2, 0]
+    assert step_budget(ctl, 2, fc) == (16, True)  # profiled: the hold of the forecast's choice
 
 
 def test_a_cell_is_set_by_its_first_times_and_then_moved_by_switches_alone():

@@ -320,6 +320,8 @@ class BudgetController:
         self._held_seen = 0  # steps offered to observe_held (its stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
+        self._profiled_whole = False  # a bucket's row has every candidate measured
+        self._column = {b: i for i, b in enumerate(config.budgets)}  # budget -> its column
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
 
     @property
@@ -332,17 +334,27 @@ class BudgetController:
         profile fills: :meth:`LatencyModel.profiles`). Round robin (0, 4, 8, ..., 0, 4, ...):
         every step a switch, each cell's times spread over the profile, so one slow spell of
         the machine does not set whole cells (measured in a row, budgets 8-32 at batch size 4
-        read 1.6x budget 4's step where they cost 1.2x, and were never explored again)."""
+        read 1.6x budget 4's step where they cost 1.2x, and were never explored again).
+
+        Every candidate until one bucket's profile has measured them all; after that, a
+        bucket's contenders (``ControlConfig.explore_margin``) at its first forecast, which
+        reads its unmeasured cells from the measured buckets (:meth:`LatencyModel.row`): a
+        budget that loses by more than the margin there is not worth its profile steps
+        (SmolLM2 at batch size 16: budgets 1-8 cost up to 2x a plain step and were never
+        chosen, yet took 12 of a 2-wave round's 38 steps). None before that forecast."""
         latency = self.latency
         if not latency.profiles(bs):
             return None
-        counts = latency.count[bucket_of(latency.bs_buckets, bs)]
-        fewest = min(counts)
-        return (
-            self.config.budgets[counts.index(fewest)]
-            if fewest < self.config.profile_steps
-            else None
-        )
+        steps = self.config.profile_steps
+        if not self._profiled_whole:
+            self._profiled_whole = any(min(row) >= steps for row in latency.count)
+        bucket = bucket_of(latency.bs_buckets, bs)
+        budgets = self._contenders.get(bucket) if self._profiled_whole else self._column
+        if budgets is None:
+            return None
+        counts = latency.count[bucket]
+        fewest, budget = min((counts[self._column[b]], b) for b in budgets)
+        return budget if fewest < steps else None
 
     def _stalest(self, bs: int, drafted: bool) -> int:
         """The contender of ``bs``'s bucket (``ControlConfig.explore_margin``) measured

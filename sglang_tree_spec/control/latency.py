@@ -375,6 +375,7 @@ class LatencyModel:
                 strict=True,
             )
         )
+        level = self._level(bucket, measured)
         row = []
         for column in range(len(self.budgets)):
             if column in fitted:
@@ -382,18 +383,32 @@ class LatencyModel:
                 continue
             below = [fitted[c] for c in measured if c < column]
             above = [fitted[c] for c in measured if c > column]
-            value = self._unmeasured(bucket, column)
+            value = level * self._unmeasured(bucket, column)
             value = max(value, below[-1]) if below else value
             row.append(min(value, above[0]) if above else value)
         return row
 
+    def _level(self, bucket: int, measured: list[int]) -> float:
+        """How a row's measured cells compare with what its neighbours predict for them
+        (:meth:`_unmeasured`; geometric mean; 1 with none): its unmeasured cells are scaled
+        by it, so they keep their columns' ratios to the measured ones. A bucket that profiles
+        its contenders alone (``BudgetController._to_profile``) measures some cells; read as
+        its neighbours' costs, the others looked as much cheaper as the bucket costs more
+        than its neighbours predict, and were chosen for it."""
+        if not measured:
+            return 1.0
+        logs = [self._cost[bucket, c] - math.log(self._unmeasured(bucket, c)) for c in measured]
+        return math.exp(sum(logs) / len(logs))
+
     def _unmeasured(self, bucket: int, column: int) -> float:
-        """An unmeasured cell: its calibrated prior times the measured / calibrated-prior
-        ratio of its column's nearest measured buckets (linear in the batch size between the
-        one below and the one above, else the one side's; 1 when the column has none)."""
+        """A cell read from other buckets: its calibrated prior times the measured /
+        calibrated-prior ratio of its column's nearest measured buckets other than its own
+        (linear in the batch size between the one below and the one above, else the one
+        side's; 1 when the column has none)."""
         rows = self._measured[column]
         at = bisect.bisect_left(rows, bucket)
-        near = rows[max(at - 1, 0) : at + 1]  # the cell's own bucket has no cost
+        past = at + 1 if at < len(rows) and rows[at] == bucket else at
+        near = rows[max(at - 1, 0) : at] + rows[past : past + 1]
         ratio = [
             math.exp(self._cost[r, column]) / self.calibrated_prior(r, column) for r in near
         ] or [1.0]
