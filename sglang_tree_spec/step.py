@@ -384,7 +384,8 @@ def make_controller(
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
-    every profiled batch-size bucket, each cell the median of 3 steps; every 32nd drafted step
+    every profiled batch-size bucket, each cell 3 steps: every candidate in the first bucket,
+    the contenders in the others (``EXPLORE_MARGIN``); every 32nd drafted step
     then re-measures the stalest contender (``EXPLORE_MARGIN``) for ``EXPLORE_STEPS`` steps;
     a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
     forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by

@@ -77,10 +77,12 @@ class ControlConfig:
         commits more. One uncertain step amid predictable text does not stop a drafter that
         pays on the whole (it takes ``hard_plain_steps`` plain steps at most), nor does one
         lucky probe restart a drafter that does not.
-    profile_steps: auto measures every candidate's C(bs, N) this many times per batch-size
-        bucket that the latency model profiles (:meth:`LatencyModel.profiles`) before trusting
-        the model (the start-up profile, served in-line: a budget never changes a token, so
-        the profile costs speed only, for a few steps).
+    profile_steps: auto measures every candidate's C(bs, N) this many times in the first
+        batch-size bucket that the latency model profiles (:meth:`LatencyModel.profiles`)
+        before trusting the model (the start-up profile, served in-line: a budget never
+        changes a token, so the profile costs speed only, for a few steps); every other
+        profiled bucket then measures its contenders alone (``explore_margin`` at its first
+        forecast, its unmeasured cells read from the measured buckets).
     explore_every: after the profile, every this many drafted steps (held ones included; no
         forecast on an exploration step) re-measure the contender (``explore_margin``) whose
         cell in this batch-size bucket was measured longest ago (0: never), so a cell measured

@@ -44,7 +44,8 @@ pads (:func:`bs_buckets_for` a CPU: a step of 11 requests costs less than one of
 bucket of both reads whichever batch size its budget happened to run at). An unmeasured cell
 reads the measured cells of its column in the nearest buckets, as ratios to the calibrated
 prior (linear in bs between one below and one above, else the one side's), else the calibrated
-prior itself; so with every
+prior itself, scaled by how its row's measured cells compare with the same reading of theirs
+(a row keeps its columns' ratios); so with every
 batch size a bucket, the start-up profile fills the :data:`DEFAULT_BS_BUCKETS` rows alone
 (``profile_buckets``) and the sizes between them read their measured neighbours until measured.
 """
