@@ -343,7 +343,9 @@ class BudgetController:
         reads its unmeasured cells from the measured buckets (:meth:`LatencyModel.row`): a
         budget that loses by more than the margin there is not worth its profile steps
         (SmolLM2 at batch size 16: budgets 1-8 cost up to 2x a plain step and were never
-        chosen, yet took 12 of a 2-wave round's 38 steps). None before that forecast."""
+        chosen, yet took 12 of a 2-wave round's 38 steps). None before that forecast. The
+        contenders are the bucket's latest forecast's: one that joins them later with fewer
+        than ``profile_steps`` times is measured the same way before the next forecast."""
         latency = self.latency
         if not latency.profiles(bs):
             return None
