@@ -788,7 +788,7 @@ def test_after_one_whole_profile_a_bucket_profiles_its_contenders_alone():
         order.append(budget)
     assert order == [8, 16, 32, 8, 16, 32]  # the contenders, twice; 0, 4 and 64 lose by > 15%
     assert ctl.latency.count[1] == [0, 0, 2, 2, 2, 0]
-    assert step_budget(ctl, 2, fc) == (16, True)  # profiled: the hold of the forecast's choice
+    assert step_budget(ctl, 2, fc) == (16, True)  # profiled: the model's choice again
 
 
 def test_a_cell_is_set_by_its_first_times_and_then_moved_by_switches_alone():

@@ -323,7 +323,6 @@ class BudgetController:
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._profiled_whole = False  # a bucket's row has every candidate measured
-        self._column = {b: i for i, b in enumerate(config.budgets)}  # budget -> its column
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
 
     @property
@@ -353,11 +352,12 @@ class BudgetController:
         if not self._profiled_whole:
             self._profiled_whole = any(min(row) >= steps for row in latency.count)
         bucket = bucket_of(latency.bs_buckets, bs)
-        budgets = self._contenders.get(bucket) if self._profiled_whole else self._column
+        every = self.config.budgets
+        budgets = self._contenders.get(bucket) if self._profiled_whole else every
         if budgets is None:
             return None
         counts = latency.count[bucket]
-        fewest, budget = min((counts[self._column[b]], b) for b in budgets)
+        fewest, budget = min((counts[every.index(b)], b) for b in budgets)
         return budget if fewest < steps else None
 
     def _stalest(self, bs: int, drafted: bool) -> int:
