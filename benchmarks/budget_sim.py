@@ -54,7 +54,10 @@ DEFAULT_CELLS_MS = {  # batch-size bucket -> C(bs, N) for N in BUDGETS
 }
 # Measured with a per-step log of a clone (concurrency 2, SGLang 0.5.17, small pair): a step
 # that forecast took 0.7-1.0 ms more than a held step of the same budget (12.7 ms at B 8), and
-# a drafted step right after a plain one 0.5 ms more again.
+# a drafted step right after a plain one 0.5 ms more again. Concurrency 8 (session 30,
+# instrumented clone): the forecast's tree phase ~0.9 ms above a held B 8's, its calibration
+# 0.1 ms; its draft phase ~0.5 ms more as well (all depths drafted; forecasts follow plain
+# steps, which AFTER_PLAIN_MS charges, and arrivals).
 FORECAST_MS = 1.0
 AFTER_PLAIN_MS = 0.5
 AUTO_KEYS = {
