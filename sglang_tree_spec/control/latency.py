@@ -23,8 +23,11 @@ periods twice the usual, several in a row) and slower drifts (on this 2-core VM 
 16-step median ranges over +-16% within a run), while a cell is only measured when its budget
 runs. So a cell's times compared with each other measure the machine, not the cell; the one
 measure of one cell's cost against another's is a switch between them: two consecutive steps,
-one speed of the machine. A cell's cost is set by its first ``first_steps`` times over the
-machine's load then (their lower median: a warm-up step alone does not set it); after that only
+one speed of the machine. A cell's cost is set by its first ``first_steps`` times, each over
+the speed of the step before it (that step's time over its cell's cost: a switch's measure, so
+a burst that both steps share cancels; over the load's median, which lags a burst by several
+steps, a cell first measured or re-measured in one read the burst as its cost), their lower
+median (a warm-up step alone does not set it); after that only
 switches move costs, each moving the two cells' log-cost difference toward the one it measured
 (a cell's first switches averaged, later ones ``pair_rate`` of the way; the error clipped to
 ``pair_clip``: a burst across a switch is not a cost).
@@ -240,7 +243,7 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 class LatencyConfig:
     """Attributes:
     first_steps: a cell's first this many times set its cost (the lower median of each over
-        the machine's load then): a warm-up step alone does not.
+        the speed of the step before it): a warm-up step alone does not.
     load_window: the machine's load is the median ratio of this many latest times to their
         cells.
     pair_rate: each switch between two measured cells moves their log-cost difference this
@@ -435,7 +438,9 @@ class LatencyModel:
             bisect.insort(self._measured[column], bucket)
         first = self._first.get(cell)
         if first is not None:
-            first.append(x - math.log(self.load))  # at the speed the cells were measured at
+            # at the speed the cells were measured at: the step before's, a switch's measure
+            speed = self._residuals[-1] if self._residuals else math.log(self.load)
+            first.append(x - speed)
             self._cost[cell] = statistics.median_low(first)
             if len(first) == self.config.first_steps:
                 del self._first[cell]
