@@ -24,9 +24,10 @@ periods twice the usual, several in a row) and slower drifts (on this 2-core VM 
 runs. So a cell's times compared with each other measure the machine, not the cell; the one
 measure of one cell's cost against another's is a switch between them: two consecutive steps,
 one speed of the machine. A cell's cost is set by its first ``first_steps`` times, each over
-the speed of the step before it (that step's time over its cell's cost: a switch's measure, so
-a burst that both steps share cancels; over the load's median, which lags a burst by several
-steps, a cell first measured or re-measured in one read the burst as its cost), their lower
+the speed of the last step of a settled cell before it (its time over its cost: a switch's
+measure, so a burst that both steps share cancels; over the load's median, which lags a burst
+by several steps, a cell first measured or re-measured in one read the burst as its cost), or
+over the load before any cell is settled (the start-up profile's first round), their lower
 median (a warm-up step alone does not set it); after that only
 switches move costs, each moving the two cells' log-cost difference toward the one it measured
 (a cell's first switches averaged, later ones ``pair_rate`` of the way; the error clipped to
@@ -243,7 +244,7 @@ def bucket_of(buckets: tuple[int, ...], bs: int) -> int:
 class LatencyConfig:
     """Attributes:
     first_steps: a cell's first this many times set its cost (the lower median of each over
-        the speed of the step before it): a warm-up step alone does not.
+        the speed of the last settled cell's step before it): a warm-up step alone does not.
     load_window: the machine's load is the median ratio of this many latest times to their
         cells.
     pair_rate: each switch between two measured cells moves their log-cost difference this
@@ -305,6 +306,7 @@ class LatencyModel:
         self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
         self._residuals = collections.deque(maxlen=config.load_window)  # log time - its cost
         self.load = 1.0  # the machine's speed now over its speed when the cells were measured
+        self._settled_speed: float | None = None  # log speed of the last settled cell's step
 
     @classmethod
     def from_roofline(
@@ -437,9 +439,8 @@ class LatencyModel:
             self._first[cell] = []
             bisect.insort(self._measured[column], bucket)
         first = self._first.get(cell)
-        if first is not None:
-            # at the speed the cells were measured at: the step before's, a switch's measure
-            speed = self._residuals[-1] if self._residuals else math.log(self.load)
+        if first is not None:  # at the speed the cells were measured at
+            speed = math.log(self.load) if self._settled_speed is None else self._settled_speed
             first.append(x - speed)
             self._cost[cell] = statistics.median_low(first)
             if len(first) == self.config.first_steps:
@@ -448,6 +449,8 @@ class LatencyModel:
             self._pair(self._last[0], self._last[1], cell, x)
         self._last = (cell, x)
         self._residuals.append(x - self._cost[cell])
+        if first is None:  # a settled cell: this step's speed, a switch's measure for the next
+            self._settled_speed = self._residuals[-1]
         self.load = math.exp(statistics.median_low(self._residuals))
         prior, y = self.prior[bucket][column], math.exp(self._cost[cell])
         d = self.config.calib_decay
