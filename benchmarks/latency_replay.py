@@ -25,8 +25,9 @@ import random
 import statistics
 from pathlib import Path
 
+from sglang_tree_spec.control import BudgetController, ControlConfig
 from sglang_tree_spec.control.latency import EXACT_BS_BUCKETS, LatencyModel, bucket_of
-from sglang_tree_spec.step import FORGET_AFTER
+from sglang_tree_spec.step import FORGET_AFTER, HOLD_STEPS
 
 BUDGETS = (0, 4, 8, 16, 32)
 
@@ -45,7 +46,10 @@ def replay(steps, args: argparse.Namespace, seed: int) -> list[float]:
     """Log errors of the sampled within-row ratios over one replay (``args.repeats`` passes)."""
     rnd = random.Random(seed)
     model = LatencyModel([[0.01] * len(BUDGETS)] * len(EXACT_BS_BUCKETS), BUDGETS, EXACT_BS_BUCKETS)
-    drift, burst_left, burst, drafted_steps, stamps, errors = 0.0, 0, 0.0, 0, {}, []
+    # the product's recording rules (no forecast step, no drafted budget 0, forgetting)
+    config = ControlConfig(budgets=BUDGETS, hold_steps=HOLD_STEPS, forget_after=args.forget_after)
+    controller = BudgetController(config, model, max_slots=1)
+    drift, burst_left, burst, errors = 0.0, 0, 0.0, []
     for rep in range(args.repeats):
         shifted = args.shift and rep >= args.repeats // 2
         scored = not args.shift or rep == args.repeats - 1
@@ -55,16 +59,9 @@ def replay(steps, args: argparse.Namespace, seed: int) -> list[float]:
                 burst_left, burst = rnd.randint(10, 80), rnd.uniform(0.15, 0.4)
             speed = drift + (burst if burst_left else 0.0) + rnd.gauss(0.0, args.noise)
             burst_left = max(0, burst_left - 1)
-            drafted_steps += drafted and not forecast
-            if forecast or (budget == 0 and drafted):  # not recorded (record_step)
-                continue
-            key = (bs, budget)
-            if args.forget_after and drafted_steps - stamps.get(key, drafted_steps) >= (
-                args.forget_after
-            ):
-                model.forget(bs, budget)
-            if model.record(bs, budget, true_seconds(bs, budget, shifted) * math.exp(speed)):
-                stamps[key] = drafted_steps
+            controller._drafted_steps += drafted  # as held_budget and choose count them
+            seconds = true_seconds(bs, budget, shifted) * math.exp(speed)
+            controller.record_step(bs, budget, seconds, drafted, forecast)
             if scored and bs in (2, 4, 8) and rnd.random() < 0.05:
                 bucket = bucket_of(model.bs_buckets, bs)
                 row = model.row(bs)
