@@ -187,3 +187,32 @@ def test_shards_partition_the_prompts(pair, items, tmp_path):
     assert ids[0] | ids[1] == {item.id for item in items}
     with pytest.raises(ValueError, match="shard"):
         rd.regenerate(rd.RegenConfig(str(TARGET), str(tmp_path / "x"), shard=2, num_shards=2))
+
+
+def test_reference_records_are_the_items_own_text_masked_everywhere(pair, tmp_path):
+    """``reference``: no target run; each item's turn + reply (raw text: the small pair has no
+    chat template), cut to max_prompt_tokens + max_new_tokens, loss mask 1 everywhere; items
+    without a reply and items of ``skip_ids_from`` left out; a rerun adds nothing."""
+    _, tokenizer = pair
+    with_reply = [
+        Item("python", f"python/ref.py:{i}", "code", "ref.py", (text,), ("\n    pass\n",))
+        for i, text in enumerate(SNIPPETS[:3])
+    ]
+    skip = tmp_path / "regen.jsonl"
+    skip.write_text(json.dumps({"id": with_reply[2].id, "input_ids": [1], "loss_mask": [1]}))
+    out = tmp_path / "reference.jsonl"
+    cfg = rd.RegenConfig(
+        target=str(TARGET), out=str(out), reference=True, skip_ids_from=str(skip),
+        max_prompt_tokens=6, max_new_tokens=4,
+    )  # fmt: skip
+    summary = rd.regenerate(cfg, [*with_reply, code_item(9, SNIPPETS[3])], None, tokenizer)
+    got = {r["id"]: r for r in records(out)}
+    assert sorted(got) == sorted(item.id for item in with_reply[:2])
+    for item in with_reply[:2]:
+        full = tokenizer.encode(item.turns[0] + item.replies[0], add_special_tokens=False)
+        assert len(full) > 10
+        assert got[item.id]["input_ids"] == full[:10]
+        assert got[item.id]["loss_mask"] == [1] * 10
+    assert summary["records"] == 2 and summary["response_tokens"] == 20
+    rd.regenerate(cfg, with_reply, None, tokenizer)
+    assert len(records(out)) == 2

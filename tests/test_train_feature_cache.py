@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -357,7 +358,7 @@ def test_cli_passes_the_new_options(target_dir, tmp_path):
             *("--feature-cache", str(tmp_path / "cache"), "--cache-topk", "3"),
             *("--shortlist-negatives", "32", "--heldout-records", "2", "--eval-every", "1"),
             *("--max-minutes", "60", "--stop-heldout-acc", "1.01", "--log-every", "1"),
-            *("--full-loss-steps", "1"),
+            *("--full-loss-steps", "1", "--teacher-labels"),
         ]
     )
     assert run_train_drafter(args) == 0
@@ -367,8 +368,69 @@ def test_cli_passes_the_new_options(target_dir, tmp_path):
     expected = dict(
         feature_cache=str(tmp_path / "cache"), cache_topk=3, shortlist_negatives=32,
         heldout_records=2, eval_every=1, max_minutes=60.0, stop_heldout_acc=1.01,
-        full_loss_steps=1,
+        full_loss_steps=1, teacher_labels=True,
     )  # fmt: skip
     assert {k: settings[k] for k in expected} == expected
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert meta["topk"] == 3 and meta["records"] == 12  # windows of 24 + 6 tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher labels (data the target did not write) and the cache's exact top-k
+# ---------------------------------------------------------------------------------------------
+
+
+def test_teacher_labels_follow_the_targets_greedy_path_only():
+    """Data x = 10..17; the target's greedy choice after position t is top1[t]. Anchor 2: slot 1
+    is top1[2] = 13 (= x_3: on the greedy path), slot 2 top1[3] = 99 (x_4 = 14 is not what
+    the target writes), slot 3 is off the greedy path (it follows 99, not 14): weight 0.
+    Anchor 4: slot 2 is predicted at position 5, outside the loss mask (no top-k cached
+    there): weight 0, and so is slot 3 behind it."""
+    ids = torch.arange(10, 18)[None]
+    loss_mask = torch.ones(1, 8, dtype=torch.bool)
+    loss_mask[0, 5] = False
+    top1 = torch.tensor([[11, 12, 13, 99, 15, 0, 17, 0]])
+    anchors, keep = torch.tensor([[2, 4]]), torch.tensor([[True, True]])
+    labels, weights = block_labels(ids, loss_mask, anchors, keep, 4, gamma=2.0, target_top1=top1)
+    decay = math.exp(-1 / 2.0)
+    assert labels.tolist() == [[[12, 13, 99, 15], [14, 15, 0, 17]]]
+    assert torch.allclose(weights, torch.tensor([[[0, 1, decay, 0], [0, 1, 0, 0]]]))
+    data_labels, _ = block_labels(ids, loss_mask, anchors, keep, 4, gamma=2.0)
+    assert data_labels.tolist() == [[[12, 13, 14, 15], [14, 15, 16, 17]]]
+
+
+def test_teacher_labels_teach_the_targets_choices_on_data_it_did_not_write(target_dir, tmp_path):
+    """Uniform random tokens of 16 ids: their next token cannot be learnt, the target's greedy
+    choice after them can. Trained on the data's tokens slot 1 stays near chance (1 / 16);
+    trained on the target's cached top-1 it learns the target's choice."""
+    generator = torch.Generator().manual_seed(5)
+    alphabet = torch.randperm(VOCAB, generator=generator)[:16]
+    data = alphabet[torch.randint(16, (24, 32), generator=generator)].tolist()
+    accuracy = {}
+    for teacher in (False, True):
+        out = tmp_path / f"teacher_{teacher}"
+        cfg = config(
+            target_dir, out, data=data, loss_masks=None, steps=150, lr=1e-2, log_every=30,
+            teacher_labels=teacher,
+        )  # fmt: skip
+        train_dflash(cfg)
+        accuracy[teacher] = read_log(out)[-1]["acc_slot1"]
+    assert accuracy[False] < 0.2 and accuracy[True] > 0.45, accuracy
+
+
+def test_teacher_labels_need_a_cached_top1(target_dir, tmp_path):
+    with pytest.raises(ValueError, match="teacher_labels needs a feature_cache"):
+        train_dflash(config(target_dir, tmp_path, feature_cache=None, teacher_labels=True))
+
+
+def test_a_bfloat16_cache_ranks_top_k_by_float32_logits():
+    """Logits 16.0625 and 16 round to the same bfloat16 (its step there is 0.125), and a
+    bfloat16 top-k puts id 1 first; the cache re-scores in float32: id 0 first."""
+    head = torch.nn.Linear(2, 6, bias=False).to(torch.bfloat16)
+    head.weight.data = torch.tensor(
+        [[16, 0.0625], [16, 0], [1, 0], [2, 0], [3, 0], [4, 0]], dtype=torch.bfloat16
+    )
+    final = torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16)
+    assert head(final).topk(2).indices.tolist() == [[1, 0]]  # tied in bfloat16
+    assert cache_module._exact_topk(final, head, 2).tolist() == [[0, 1]]
+    assert cache_module._exact_topk(final.float(), head, 3).tolist() == [[0, 1, 5]]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -178,6 +179,20 @@ def build_feature_cache(
     return FeatureCache(path, offsets, feature_dim, topk, list(layer_ids))
 
 
+def _exact_topk(final: torch.Tensor, head: nn.Module, topk: int) -> torch.Tensor:
+    """``[n, topk]`` ids of the largest float32 logits of ``final [n, H]`` under the LM
+    ``head``. A low-precision head only shortlists ``2 * topk`` candidates (its rounding ties
+    tokens near the top); their logits are then recomputed in float32 and ranked."""
+    bias = getattr(head, "bias", None)
+    if final.dtype == torch.float32:
+        return F.linear(final, head.weight.float(), bias).topk(topk, dim=-1).indices
+    candidates = head(final).topk(min(2 * topk, head.weight.shape[0]), dim=-1).indices
+    exact = torch.einsum("nh,nch->nc", final.float(), head.weight[candidates].float())
+    if bias is not None:
+        exact = exact + bias.float()[candidates]
+    return candidates.gather(1, exact.topk(topk, dim=-1).indices)
+
+
 @torch.no_grad()
 def _append_records(
     path: Path,
@@ -190,6 +205,7 @@ def _append_records(
     batch_size: int,
 ) -> None:
     device = next(target.parameters()).device
+    head = target.get_output_embeddings()
     progress = tqdm(
         total=len(records), initial=start, desc="feature-cache", unit="rec", mininterval=5
     )
@@ -211,8 +227,7 @@ def _append_records(
             loss_mask = nn.utils.rnn.pad_sequence([m for _, m in chunk], batch_first=True)
             ids_topk = torch.zeros(*input_ids.shape, topk, dtype=torch.int32)
             final = out.hidden_states[-1][loss_mask.to(device)]  # after the final norm
-            logits = target.get_output_embeddings()(final)
-            ids_topk[loss_mask] = logits.topk(topk, dim=-1).indices.int().cpu()
+            ids_topk[loss_mask] = _exact_topk(final, head, topk).int().cpu()
         with (path / FEATURES_NAME).open("ab") as feature_file:
             for row, length in enumerate(lengths.tolist()):
                 feature_file.write(features[row, :length].view(torch.int16).numpy().tobytes())

@@ -16,6 +16,16 @@ stopped (records already in the file are skipped). A target
 without a chat template (e.g. the committed small pair) gets the first user turn as raw text.
 
     sglang-tree-spec models regen-data --target DIR --out data.jsonl --code 3000 --chat 500
+
+``--reference`` writes the items' reference conversations instead (the stdlib function, the
+ShareGPT replies: :func:`~sglang_tree_spec.models.datasets.render_conversation`), loss mask 1 on
+every token, with no target run: far cheaper data, for training whose labels are the target's
+own next-token choices (``train-drafter --teacher-labels``), not the text's tokens.
+``--skip-ids-from FILE`` leaves out the items already in another data file, so that no item is
+both a regenerated record (e.g. a held-out one) and a reference one.
+
+    sglang-tree-spec models regen-data --target DIR --out reference.jsonl --reference \
+        --code 6000 --chat 500 --skip-ids-from data.jsonl
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from sglang_tree_spec.models.datasets import (
     Item,
     heldout_turns,
     normalise,
+    render_conversation,
     training_items,
 )
 from sglang_tree_spec.models.datasets import prompt_ids as chat_prompt_ids
@@ -66,6 +77,8 @@ class RegenConfig:
     shard: int = 0
     num_shards: int = 1
     max_prompts: int = 0  # 0 = all; else only the first max_prompts of this shard's order
+    reference: bool = False  # the items' reference conversations, no generation
+    skip_ids_from: str | None = None  # leave out items whose id is in this .jsonl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +230,21 @@ def make_record(item: Item, prompt: Sequence[int], response: Sequence[int]) -> d
     }
 
 
+def reference_record(
+    tokenizer: PreTrainedTokenizerBase, item: Item, max_tokens: int
+) -> dict[str, Any] | None:
+    """The item's reference conversation (chat template, or the first turn and reply as raw
+    text without one), cut to ``max_tokens``, loss mask 1 everywhere; None without a reply."""
+    if not item.replies:
+        return None
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.encode(render_conversation(tokenizer, item), add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(item.turns[0] + item.replies[0], add_special_tokens=False)
+    ids = ids[:max_tokens]
+    return {"id": item.id, "input_ids": ids, "loss_mask": [1] * len(ids)}
+
+
 def _done_ids(path: Path) -> set[str]:
     if not path.is_file():
         return set()
@@ -239,10 +267,15 @@ def regenerate(
     if items is None:
         items = select_items({"code": cfg.code, "chat": cfg.chat, "math": cfg.math}, cfg.seed)
     items = list(items)
+    if cfg.skip_ids_from:
+        skipped = _done_ids(Path(cfg.skip_ids_from))
+        items = [item for item in items if item.id not in skipped]
     random.Random(f"{cfg.seed}:order").shuffle(items)  # domains interleaved over the run
     items = items[cfg.shard :: cfg.num_shards]
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    if cfg.reference:
+        return _write_references(cfg, items, tokenizer)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
     eos_ids = eos_token_ids(model, tokenizer)
@@ -285,6 +318,29 @@ def regenerate(
         prompts_too_long=skipped_long,
         wall_s=round(time.perf_counter() - started, 1),
     )
+    Path(str(out) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _write_references(
+    cfg: RegenConfig, items: Sequence[Item], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, Any]:
+    """:func:`regenerate` with ``cfg.reference``: each item's :func:`reference_record`
+    (at most ``max_prompt_tokens + max_new_tokens`` tokens), appended unless already there."""
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_ids(out)
+    todo = [item for item in items if item.id not in done]
+    if cfg.max_prompts > 0:
+        todo = todo[: max(0, cfg.max_prompts - len(done))]
+    started = time.perf_counter()
+    with out.open("a") as sink:
+        for item in tqdm(todo, desc="reference-data", unit="item", mininterval=5):
+            record = reference_record(tokenizer, item, cfg.max_prompt_tokens + cfg.max_new_tokens)
+            if record is not None and len(record["input_ids"]) > 1:
+                sink.write(json.dumps(record) + "\n")
+    summary = summarize(out)
+    summary.update(config=asdict(cfg), wall_s=round(time.perf_counter() - started, 1))
     Path(str(out) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -333,6 +389,14 @@ def add_regen_data_args(parser: argparse.ArgumentParser) -> None:
         help="stop after the first N prompts of this shard's order (0 = all)",
     )
     parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="write the items' reference conversations (loss mask 1 everywhere), no generation",
+    )
+    parser.add_argument(
+        "--skip-ids-from", default=None, help="leave out the items whose id is in this .jsonl"
+    )
+    parser.add_argument(
         "--shard",
         default="0/1",
         help="I/N: generate only every N-th prompt from the I-th (parallel processes)",
@@ -357,6 +421,8 @@ def run_regen_data(args: argparse.Namespace) -> int:
         shard=int(shard),
         num_shards=int(num_shards or 1),
         max_prompts=args.max_prompts,
+        reference=args.reference,
+        skip_ids_from=args.skip_ids_from,
     )
     summary = regenerate(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))

@@ -28,6 +28,7 @@ reaches ``stop_heldout_acc``, saving a checkpoint it resumes from.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -90,6 +91,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (and save) after this much training time
     stop_heldout_acc: float | None = None  # stop (and save) once held-out slot-1 acc >= this
     init_from: str | None = None  # a fresh run starts from this drafter's weights (not random)
+    teacher_labels: bool = False  # label = the cached target's greedy choice (block_labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,11 +177,20 @@ def block_labels(
     keep: torch.Tensor,
     block_size: int,
     gamma: float,
+    target_top1: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels ``x_{a + k}`` and loss weights, both ``[bs, N, B]``.
+    """Labels and loss weights, both ``[bs, N, B]``.
 
-    Weight of slot ``k >= 1`` is ``exp(-(k - 1) / gamma)`` where the block is kept and the
-    label is inside the loss mask; slot 0 weighs 0.
+    The label of slot ``k`` is the data's ``x_{a + k}``; its weight is ``exp(-(k - 1) /
+    gamma)`` where the block is kept and the label is inside the loss mask; slot 0 weighs 0.
+
+    With ``target_top1 [bs, S]`` (position ``t``: the target's greedy next token after
+    ``x_{<= t}``, set inside the loss mask) the labels are the target's own choices instead
+    (teacher labels, for data the target did not write): slot ``k`` is labelled
+    ``target_top1[a + k - 1]`` and weighed only where that position is in the loss mask and the
+    data agrees with the target's greedy choice at every earlier slot (``x_{a + j} =
+    target_top1[a + j - 1]`` for ``1 <= j < k``). So every weighted label is exactly the token
+    greedy decoding writes after the anchor and the block's earlier labels.
     """
     bs, num_blocks = anchors.shape
     offsets = torch.arange(block_size, device=anchors.device)
@@ -187,6 +198,14 @@ def block_labels(
     labels = input_ids.gather(1, index).view(bs, num_blocks, block_size)
     in_mask = loss_mask.gather(1, index).view(bs, num_blocks, block_size)
     decay = torch.exp(-(offsets - 1).clamp(min=0).float() / gamma) * (offsets >= 1)
+    if target_top1 is not None:
+        before = (index - 1).clamp(min=0)  # the position predicting each slot
+        teacher = target_top1.gather(1, before).view(bs, num_blocks, block_size)
+        in_mask = loss_mask.gather(1, before).view(bs, num_blocks, block_size)
+        agree = (labels == teacher) | (offsets == 0)  # slot 0 (the anchor) is given
+        on_path = torch.cat([agree[:, :, :1], agree[:, :, :-1].long().cumprod(2).bool()], dim=2)
+        labels = torch.where(offsets >= 1, teacher, labels)
+        in_mask = in_mask & on_path
     weights = decay * (in_mask & keep[:, :, None])
     return labels, weights
 
@@ -520,8 +539,11 @@ def train_step(
         features = batch.features.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         hidden = block_hidden(drafter, features, input_ids, anchors, target.get_input_embeddings())
+        top1 = None
+        if cfg.teacher_labels:
+            top1 = batch.topk[:, :, 0].to(device)
         labels, weights = block_labels(
-            input_ids, loss_mask, anchors, keep, cfg.block_size, cfg.gamma
+            input_ids, loss_mask, anchors, keep, cfg.block_size, cfg.gamma, top1
         )
         lm_head = target.get_output_embeddings()
         if cfg.shortlist_negatives is None or full_loss:
@@ -630,11 +652,17 @@ def _prepare_data(
             f"heldout_records={cfg.heldout_records} leaves no training record of {len(sequences)}"
         )
     if cfg.feature_cache:
-        topk = cfg.cache_topk if cfg.shortlist_negatives is not None else 0
+        wants_topk = cfg.shortlist_negatives is not None or cfg.teacher_labels
+        topk = cfg.cache_topk if wants_topk else 0
+        # The target serves in bfloat16: its cache is computed in bfloat16 too (features are
+        # stored in bfloat16 anyway; ~1.7x faster than float32 on a 2-core avx512_bf16 CPU).
+        cache_target = target
+        if target.dtype != torch.bfloat16:
+            cache_target = copy.deepcopy(target).to(torch.bfloat16)
         cache = build_feature_cache(
             cfg.feature_cache,
             sequences,
-            target,
+            cache_target,
             cfg.target,
             drafter.target_layer_ids,
             topk=topk,
@@ -664,6 +692,8 @@ def train_dflash(cfg: TrainConfig) -> Path:
         raise FileNotFoundError(f"training data {cfg.data} does not exist")
     if cfg.stop_heldout_acc is not None and cfg.heldout_records == 0:
         raise ValueError("stop_heldout_acc needs heldout_records > 0")
+    if cfg.teacher_labels and not (cfg.feature_cache and cfg.cache_topk >= 1):
+        raise ValueError("teacher_labels needs a feature_cache with cache_topk >= 1")
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -832,6 +862,12 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         help="stop and save once the held-out slot-1 acceptance reaches this",
     )
     parser.add_argument(
+        "--teacher-labels",
+        action="store_true",
+        help="labels = the target's greedy next tokens (cached top-1), for data the target did "
+        "not write (regen-data --reference); needs --feature-cache",
+    )
+    parser.add_argument(
         "--init-from",
         default=None,
         help="start a fresh run from this drafter's weights (e.g. the shipped one) instead of "
@@ -870,6 +906,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
         stop_heldout_acc=args.stop_heldout_acc,
         init_from=args.init_from,
+        teacher_labels=args.teacher_labels,
     )
     print(train_dflash(cfg))
     return 0
