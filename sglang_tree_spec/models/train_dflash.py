@@ -432,6 +432,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def bf16_matmuls(device: torch.device) -> bool:
+    """Whether training autocasts to bfloat16 (weights, gradients and optimizer stay float32):
+    on CUDA, and on CPUs whose oneDNN runs bfloat16 matmuls (a SmolLM2 drafter step on 2
+    avx512_bf16 cores: 2.2 s against 3.6 s in float32)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up over ``warmup_ratio * steps`` then cosine decay to 0."""
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
@@ -537,7 +546,7 @@ def train_step(
         features = target_features(target, drafter, input_ids, lengths)
     else:
         features = batch.features.to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_matmuls(device)):
         hidden = block_hidden(drafter, features, input_ids, anchors, target.get_input_embeddings())
         top1 = None
         if cfg.teacher_labels:
