@@ -73,7 +73,7 @@ def replay(steps, args: argparse.Namespace, seed: int) -> list[float]:
     return errors
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("step_log", type=Path, help="an auto server's per-step CSV")
     parser.add_argument("--repeats", type=int, default=4, help="passes over the log")
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{', budgets >= 16 +25% from the middle' if args.shift else ''}: "
         f"ratio error rms {rms:.3f}, worst {worst:.3f} (log; mean over seeds)"
     )
+    return {"rms": rms, "worst": worst}
 
 
 if __name__ == "__main__":

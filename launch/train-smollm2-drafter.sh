@@ -30,6 +30,17 @@
 #
 #   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
 #
+# REFERENCE="CODE CHAT MATH" (long recipe) adds that many training items per domain as their
+# reference conversations (`models regen-data --reference`: the stdlib function, the ShareGPT
+# replies; no generation, so ~8x the data in the same CPU time; items already regenerated are
+# left out), trained with teacher labels (the target's cached greedy choices, only along its
+# greedy path: `train-drafter --teacher-labels`); the held-out records stay the last
+# regenerated ones. Its cache and checkpoints are $WORK/features-reference and
+# $WORK/train-reference.
+#
+#   RECIPE=long REFERENCE="6255 300 300" INIT_FROM=sglang_tree_spec/assets/smollm2-135m-instruct-dflash \
+#     LR=1e-3 STEPS=1000 bash launch/train-smollm2-drafter.sh
+#
 # Output: $OUT (default <cache root>/drafters/smollm2-135m-instruct-dflash, where
 # `sglang-tree-spec demo` looks first), work files (data, fp32 checkpoints every 40 steps,
 # train_log.jsonl) in $WORK. Every stage resumes: regeneration skips the records already written,
@@ -56,13 +67,19 @@ case "$recipe" in
     steps=${STEPS:-20000}
     stages="$steps:${BATCH:-4}:${ANCHORS:-64}:$steps"
     train=$work/train-long
-    extra=(--feature-cache "$work/features" --cache-topk "${TOPK:-8}"
+    features=$work/features
+    if [ -n "${REFERENCE:-}" ]; then
+      train=$work/train-reference
+      features=$work/features-reference
+    fi
+    extra=(--feature-cache "$features" --cache-topk "${TOPK:-8}" --cache-batch-size 1
       --shortlist-negatives "${NEGATIVES:-2048}" --full-loss-steps "${FULL_LOSS_STEPS:-200}"
       --heldout-records "${HELDOUT:-32}"
       --eval-every "${EVAL_EVERY:-200}" --save-every "${SAVE_EVERY:-100}")
     if [ -n "${MAX_MINUTES:-}" ]; then extra+=(--max-minutes "$MAX_MINUTES"); fi
     if [ -n "${STOP_ACC:-}" ]; then extra+=(--stop-heldout-acc "$STOP_ACC"); fi
     if [ -n "${INIT_FROM:-}" ]; then extra+=(--init-from "$INIT_FROM"); fi
+    if [ -n "${REFERENCE:-}" ]; then extra+=(--teacher-labels); fi
     ;;
   *)
     echo "train-smollm2-drafter: RECIPE=$recipe is neither replay nor long" >&2
@@ -97,10 +114,21 @@ Path(str(path) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary))
 EOF
 
+data=$work/data.jsonl
+if [ -n "${REFERENCE:-}" ]; then
+  read -r ref_code ref_chat ref_math <<< "$REFERENCE"
+  "${cli[@]}" models regen-data --target "$target" --out "$work/reference.jsonl" --reference \
+    --code "$ref_code" --chat "$ref_chat" --math "$ref_math" --max-prompt-tokens 768 \
+    --max-new-tokens 256 --skip-ids-from "$work/data.jsonl"
+  # reference records first: the held-out records (the last ones) stay regenerated ones
+  cat "$work/reference.jsonl" "$work/data.jsonl" > "$work/data-reference.jsonl"
+  data=$work/data-reference.jsonl
+fi
+
 for stage in $stages; do
   IFS=: read -r steps batch anchors stop <<< "$stage"
   OMP_NUM_THREADS=$threads "${cli[@]}" models train-drafter --target "$target" \
-    --data "$work/data.jsonl" --out "$train" --block-size 16 --num-layers 2 --gamma 7 \
+    --data "$data" --out "$train" --block-size 16 --num-layers 2 --gamma 7 \
     --seq-len 512 --lr "${LR:-2e-3}" --save-every 40 --log-every 10 --seed 0 --device cpu \
     --steps "$steps" --batch-size "$batch" --anchors-per-seq "$anchors" --stop-at "$stop" \
     "${extra[@]}"
