@@ -104,6 +104,19 @@ def test_training_items_never_contain_a_heldout_prompt():
     assert all(ds.split_of(x) == "train" for x in [*math, *chat])
 
 
+def test_no_code_training_item_comes_from_a_file_the_serving_benchmarks_prompt_with():
+    """serve_throughput prompts every target with functions of the small pair's held-out
+    stdlib files; code training items (regenerated or reference data) come from other files."""
+    from sglang_tree_spec.models.small_pair import is_heldout
+
+    served = ds.served_heldout_files()
+    assert all(is_heldout(rel, 5) for rel in served)
+    assert len(served) > 10
+    code = ds.training_items("code")
+    assert len(code) > 5_000
+    assert not {item.group for item in code} & served
+
+
 # ---------------------------------------------------------------------------------------------
 # Sources
 # ---------------------------------------------------------------------------------------------

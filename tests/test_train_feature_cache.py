@@ -267,7 +267,7 @@ def test_cached_shortlist_training_learns_and_reports_heldout_acceptance(target_
     train = [r for r in log if "loss" in r]
     heldout = [r for r in log if "heldout_acc_slot1" in r]
     assert train[-1]["loss"] < train[0]["loss"] - 0.3, train
-    assert [r["step"] for r in heldout] == [30, 60]
+    assert [r["step"] for r in heldout] == [0, 30, 60]  # 0: before training
     assert heldout[-1]["heldout_acc_slot1"] > 0.5, heldout  # chance is 1 / 512
     assert heldout[-1]["heldout_blocks"] == 4 * 8
     assert (out / "cache" / cache_module.FEATURES_NAME).stat().st_size > 0
@@ -363,7 +363,7 @@ def test_cli_passes_the_new_options(target_dir, tmp_path):
     )
     assert run_train_drafter(args) == 0
     log = read_log(out)
-    assert sum("heldout_tau" in r for r in log) == 2
+    assert sum("heldout_tau" in r for r in log) == 3  # before step 1, after steps 1 and 2
     settings = torch.load(out / TRAINER_STATE_NAME, weights_only=True)["config"]
     expected = dict(
         feature_cache=str(tmp_path / "cache"), cache_topk=3, shortlist_negatives=32,

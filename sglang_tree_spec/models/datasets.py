@@ -463,15 +463,29 @@ def heldout_turns() -> frozenset[str]:
     return frozenset(_turn_texts(item for domain in DOMAINS for item in heldout(domain)))
 
 
+@functools.lru_cache(maxsize=1)
+def served_heldout_files() -> frozenset[str]:
+    """The stdlib files whose functions prompt the serving benchmarks (the small pair's held-out
+    files, :func:`~sglang_tree_spec.models.small_pair.heldout_prompts`, for every target): no
+    code training item comes from them."""
+    from sglang_tree_spec.models.small_pair import corpus_files
+
+    return frozenset(file.rel for file in corpus_files("heldout"))
+
+
 def training_items(domain: Domain, count: int | None = None) -> list[Item]:
     """Training prompts of a domain (math: gsm_symbolic train templates; code: stdlib
-    functions; chat: ShareGPT), without any item sharing a user turn with a held-out set.
+    functions, none from :func:`served_heldout_files`; chat: ShareGPT), without any item
+    sharing a user turn with a held-out set.
     ``count`` is required for math (the generator is unbounded)."""
     if domain == "math":
         if count is None:
             raise ValueError("training_items('math') needs a count")
         return _gsm_split("train", count, heldout_turns())
     items = split_items(python_functions() if domain == "code" else sharegpt(), "train")
+    if domain == "code":
+        benchmark_files = served_heldout_files()
+        items = [item for item in items if item.group not in benchmark_files]
     kept = _without_turns(items, heldout_turns())
     return kept if count is None else _take(kept, count, f"the {domain} training set")
 

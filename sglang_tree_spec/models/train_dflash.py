@@ -719,6 +719,8 @@ def train_dflash(cfg: TrainConfig) -> Path:
     counted = torch.zeros(cfg.block_size, device=device)
     loss_sum, loss_steps = 0.0, 0
     end = cfg.steps if cfg.stop_at is None else max(start, min(cfg.stop_at, cfg.steps))
+    if heldout is not None and start == 0:  # the starting point (e.g. an init_from drafter)
+        _append_log(out, {"step": 0, **heldout_acceptance(drafter, target, heldout)})
     progress = tqdm(range(start, end), initial=start, total=end, desc="train-drafter")
     began = time.monotonic()
     done, stopped = start, None
