@@ -434,8 +434,8 @@ def resolve_device(name: str) -> torch.device:
 
 def bf16_matmuls(device: torch.device) -> bool:
     """Whether training autocasts to bfloat16 (weights, gradients and optimizer stay float32):
-    on CUDA, and on CPUs whose oneDNN runs bfloat16 matmuls (a SmolLM2 drafter step on 2
-    avx512_bf16 cores: 2.2 s against 3.6 s in float32)."""
+    on CUDA, and on CPUs whose oneDNN runs bfloat16 matmuls (a SmolLM2 drafter step, batch 4 x
+    64 anchors, on 2 avx512_bf16 cores: 1.33 s against 2.3 s in float32)."""
     if device.type == "cuda":
         return True
     return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
