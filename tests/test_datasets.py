@@ -113,7 +113,7 @@ def test_no_code_training_item_comes_from_a_file_the_serving_benchmarks_prompt_w
     assert all(is_heldout(rel, 5) for rel in served)
     assert len(served) > 10
     code = ds.training_items("code")
-    assert len(code) > 5_000
+    assert len(code) > 1_000  # the running interpreter's stdlib: 4,683 to 5,828 here
     assert not {item.group for item in code} & served
 
 
