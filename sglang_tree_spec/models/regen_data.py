@@ -312,14 +312,7 @@ def regenerate(
         progress.update(len(batch))
         progress.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
     progress.close()
-    summary = summarize(out)
-    summary.update(
-        config=asdict(cfg),
-        prompts_too_long=skipped_long,
-        wall_s=round(time.perf_counter() - started, 1),
-    )
-    Path(str(out) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return _write_summary(out, cfg, started, prompts_too_long=skipped_long)
 
 
 def _write_references(
@@ -329,18 +322,23 @@ def _write_references(
     (at most ``max_prompt_tokens + max_new_tokens`` tokens), appended unless already there."""
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.max_prompts > 0:  # as regenerate: the first max_prompts, then what is not done
+        items = items[: cfg.max_prompts]
     done = _done_ids(out)
     todo = [item for item in items if item.id not in done]
-    if cfg.max_prompts > 0:
-        todo = todo[: max(0, cfg.max_prompts - len(done))]
     started = time.perf_counter()
     with out.open("a") as sink:
         for item in tqdm(todo, desc="reference-data", unit="item", mininterval=5):
             record = reference_record(tokenizer, item, cfg.max_prompt_tokens + cfg.max_new_tokens)
             if record is not None and len(record["input_ids"]) > 1:
                 sink.write(json.dumps(record) + "\n")
+    return _write_summary(out, cfg, started)
+
+
+def _write_summary(out: Path, cfg: RegenConfig, started: float, **extra: Any) -> dict[str, Any]:
+    """:func:`summarize` of ``out`` with the run's settings, written to ``<out>.meta.json``."""
     summary = summarize(out)
-    summary.update(config=asdict(cfg), wall_s=round(time.perf_counter() - started, 1))
+    summary.update(config=asdict(cfg), **extra, wall_s=round(time.perf_counter() - started, 1))
     Path(str(out) + META_SUFFIX).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
