@@ -508,7 +508,14 @@ def main(argv: list[str] | None = None) -> dict:
     else:  # a GPU holds one server's weights and KV pool at a time
         results = {}
         for config in args.configs:
-            results |= measure(args, [config], prompts, logs)
+            try:
+                results |= measure(args, [config], prompts, logs)
+            except Exception as error:  # one broken server must not lose the rest
+                print(f"{config}: FAILED, left out of the table: {error}", flush=True)
+                continue
+            for row in results[config]:  # as it goes: a run cut short still shows these
+                print(f"{config} c{row['concurrency']}: {row['output_tokens_per_s']} tok/s",
+                      flush=True)  # fmt: skip
     rows = table_rows(results)
     env = environment(args.device, args.dtype) | {
         "target": str(args.target),

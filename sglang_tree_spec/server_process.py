@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 START_TIMEOUT_S = 360.0
+SERVER_ARGS_ENV = "SGLANG_TREE_SPEC_SERVER_ARGS"
 
 
 class ServerStartError(RuntimeError):
@@ -88,10 +90,15 @@ def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
 
     ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points.
     ``SGLANG_USE_CPU_ENGINE`` is removed so that only the plugin can make CPU serving work.
+    ``SGLANG_TREE_SPEC_SERVER_ARGS`` (shell words) is appended to every server's command, e.g.
+    ``--disable-prefill-cuda-graph`` for a short GPU run; the log's first line shows the command.
     """
     env = {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
     env.pop("SGLANG_USE_CPU_ENGINE", None)
+    command = [*command, *shlex.split(os.environ.get(SERVER_ARGS_ENV, ""))]
     with log.open("w") as sink:
+        sink.write(f"$ {shlex.join(command)}\n")
+        sink.flush()
         return subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

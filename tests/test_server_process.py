@@ -14,8 +14,10 @@ import pytest
 
 from sglang_tree_spec.server_process import (
     FIXED_PORTS,
+    SERVER_ARGS_ENV,
     ServerStartError,
     free_port,
+    launch,
     stop,
     wait_until_healthy,
 )
@@ -28,6 +30,18 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
     assert len(ports) > 1  # drawn, not a constant that two servers would share
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_launch_appends_the_extra_server_args(tmp_path: Path, monkeypatch) -> None:
+    """``SGLANG_TREE_SPEC_SERVER_ARGS`` reaches the server's argv, after the command's own."""
+    log = tmp_path / "server.log"
+    monkeypatch.setenv(SERVER_ARGS_ENV, "--disable-prefill-cuda-graph --x 'a b'")
+    script = "import sys; print(sys.argv[1:], flush=True)"
+    process = launch([sys.executable, "-c", script, "--port", "1"], log, plugins="")
+    assert process.wait(timeout=60) == 0
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("$ ") and lines[0].endswith("--x 'a b'")
+    assert lines[1] == str(["--port", "1", "--disable-prefill-cuda-graph", "--x", "a b"])
 
 
 def test_a_server_that_cannot_bind_fails_at_once(tmp_path: Path) -> None:
