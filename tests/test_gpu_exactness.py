@@ -53,7 +53,7 @@ NEW_TOKENS = 48
 CONCURRENCY = (1, 8)  # two captured batch sizes when graphs are on
 BF16_TIE_LOGITS = 0.5
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
-GRAPH_CAPTURED = re.compile(r"Capture \S+ CUDA graph end")
+GRAPH_CAPTURED = re.compile(r"Capture [a-z ]*CUDA graph end")  # "Capture target decode ..."
 
 
 def _config(path: Path) -> dict:

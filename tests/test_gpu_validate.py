@@ -178,3 +178,21 @@ def test_gpu_site_carries_what_the_h100_run_found_missing():
                    "jsonschema", "opentelemetry-api", "ipython-pygments-lexers"):  # fmt: skip
         assert needed in wheels
     assert not any(path.startswith(("flashinfer", "tvm_ffi/lib")) for path in trimmed)
+
+
+def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path):
+    """``--quick``: exactness at the small budget under overlap and the large one without (triton
+    only, so pytest keeps one baseline server), no tree build, the table without the large
+    budget; every server without prefill graphs; each call under 10 minutes."""
+    out = tmp_path / "results"
+    result = gpu_validate("--dry-run", "--quick", "--out", str(out), cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
+    assert list(steps) == ["environment", "exactness", "throughput-triton"]
+    exactness, table = steps["exactness"], steps["throughput-triton"]
+    assert "-k 'triton and (small-none-overlap or large-none-sync)'" in exactness["command"]
+    assert "--configs none dflash ddtree:8 ddtree:auto --auto-max-budget 32" in table["command"]
+    for step in (exactness, table):
+        assert step["env"]["SGLANG_TREE_SPEC_SERVER_ARGS"] == "--disable-prefill-cuda-graph"
+    assert steps["environment"]["budget_s"] + exactness["budget_s"] < 600
+    assert table["budget_s"] < 600

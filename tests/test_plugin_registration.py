@@ -155,6 +155,21 @@ def test_ddtree_supplies_the_methods_custom_spec_algo_lacks(sglang_plugins):
     assert algo.need_topk() is False
 
 
+def test_ddtree_overlap_relay_publishes_the_host_lengths(sglang_plugins):
+    """SGLang asks each backend whether the overlap relay must publish host sequence lengths
+    (triton and flashinfer say no); DDTREE's verify sizes its tree mask and plans its graph
+    replay from them, so its relay always does."""
+    import torch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class Pool:
+        req_to_token = torch.zeros(4, 16, dtype=torch.int32)
+
+    algo = SpeculativeAlgorithm.from_string("DDTREE")
+    relay = algo.create_future_map(torch.device("cpu"), Pool(), needs_cpu_seq_lens=False)
+    assert relay.needs_cpu_seq_lens is True
+
+
 def test_hooks_are_applied(sglang_plugins):
     from sglang.srt import server_args as sa
     from sglang.srt.entrypoints import engine

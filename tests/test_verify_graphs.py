@@ -10,6 +10,11 @@ request at a time and two at once, and every one of the four shapes must have be
 
 A mask or position left in a fresh tensor instead of the static buffer makes the replay read the
 previous step's (or the capture's) values: the outputs then differ (see the runner's note).
+
+Once more as on a GPU: SGLang's triton attention backend (its kernels under Triton's interpreter)
+under SGLang's overlap scheduler. That backend declares that it needs no host sequence lengths,
+so SGLang's overlap relay stops publishing them unless DDTREE asks for them; without them the
+runner cannot pad and plan a replay, and every verify ran eagerly on an H200 (2026-11-28).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from transformers import AutoTokenizer
 
 from sglang_tree_spec.models.small_pair import heldout_prompts
 from sglang_tree_spec.plugin.graphs import CPU_GRAPHS_ENV
+from sglang_tree_spec.plugin.validation import CPU_OVERLAP_ENV
 from sglang_tree_spec.server_process import free_port
 
 pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
@@ -46,8 +52,9 @@ def prompts(pair: dict[str, Path]) -> list[list[int]]:
     return [tokenizer.encode(text, add_special_tokens=False)[-PROMPT_TOKENS:] for text in texts]
 
 
-def command(pair: dict[str, Path], budget: int | None) -> list[str]:
+def command(pair: dict[str, Path], budget: int | None, backend: str = "torch_native") -> list[str]:
     cmd = server_command(pair, free_port(), budget, "auto" if budget else None)
+    cmd[cmd.index("--attention-backend") + 1] = backend
     cmd[cmd.index("--max-running-requests") + 1] = str(max(BATCH_SIZES))
     if budget:
         cmd += ["--speculative-ddtree-candidates", ",".join(map(str, BUDGETS))]
@@ -90,3 +97,23 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
     assert shapes == {(str(bs), str(b)) for bs in BATCH_SIZES for b in BUDGETS}, shapes
     assert "DDTREE verify ran eagerly" not in log  # every step was a replay
     assert NEW_TOKENS > 1
+
+
+@pytest.fixture(scope="module")
+def replayed_triton_overlap(pair, prompts, tmp_path_factory) -> Iterator[dict]:
+    """The same DDTREE server on SGLang's triton backend, under the overlap scheduler."""
+    log = tmp_path_factory.mktemp("graphs-triton-overlap") / "server.log"
+    env = {CPU_GRAPHS_ENV: "1", CPU_OVERLAP_ENV: "1", "TRITON_INTERPRET": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        for server in running_server(command(pair, max(BUDGETS), "triton"), log):
+            yield {"concurrent": server.greedy(prompts[:4], 2), "log": log.read_text()}
+
+
+def test_triton_under_overlap_replays_every_verify(replayed_triton_overlap, baseline):
+    log = replayed_triton_overlap["log"]
+    assert "overlap scheduling on" in log
+    assert "DDTREE verify ran eagerly" not in log
+    assert "DDTREE verify graph replayed" in log
+    assert replayed_triton_overlap["concurrent"] == baseline[:4]

@@ -80,12 +80,15 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         needs_cpu_seq_lens: bool = True,
         needs_confidence_relay: bool = False,
     ) -> Any:
-        """SGLang's overlap relay buffers, built as for the builtin algorithms."""
+        """SGLang's overlap relay buffers, built as for the builtin algorithms, except that
+        the host lengths are always relayed (as SGLang does for NGRAM, whose full-mask verify
+        also sizes its mask per request on the host): DDTREE sizes its tree mask and the verify
+        graph's metadata from them, whatever the attention backend declares (triton and
+        flashinfer say they need none, and each step would then wait on ``seq_lens.cpu()``)."""
         from sglang.srt.managers.overlap_utils import FutureMap
 
-        return FutureMap(
-            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
-        )
+        del needs_cpu_seq_lens  # the backends' own answer; DDTREE's verify needs them
+        return FutureMap(device, self, req_to_token_pool, True, needs_confidence_relay)
 
 
 def worker_factory(server_args: Any) -> type:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs
 from sglang_tree_spec.tree import (
     VerifyLayout,
     topk_from_logits,
@@ -182,10 +183,11 @@ class SGLangBackend:
         )
         if earlier:
             batch.seq_lens = prefix_lens.to(seq_lens.dtype)
-        if seq_lens_cpu is not None:
-            batch.seq_lens_cpu = seq_lens_cpu + earlier + window
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
+        # The verify's host lengths, always given: the graph runner pads and plans from them
+        # (a ``None`` here sent every GPU verify to the eager path).
+        batch.seq_lens_cpu = host_lens + window
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        forward_batch, replayable = verify_input.prepare_for_verify(batch, worker.target_worker)
         batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = (
             seq_lens,
             seq_lens_cpu,
@@ -195,8 +197,9 @@ class SGLangBackend:
         if graphs is not None and graphs.can_run_graph(forward_batch):
             self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True
         else:
-            if graphs is not None:
-                graphs.log_eager_verify(forward_batch)
+            runner = graphs or worker.target_worker.model_runner.decode_cuda_graph_runner
+            if not replayable and isinstance(runner, DDTreeVerifyGraphs):
+                runner.log_eager_verify(forward_batch)
             out = worker.target_worker.forward_batch_generation(
                 batch=None,
                 forward_batch=forward_batch,

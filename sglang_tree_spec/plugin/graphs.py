@@ -113,9 +113,20 @@ class DDTreeVerifyGraphs:
         self._loaded: tuple[Any, tuple[int, int], int] | None = None
         self.replays: dict[tuple[int, int], int] = {}
         self.eager_shapes: set[tuple[int, int]] = set()
-        if self.replay_mode == "cuda":
-            self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.windows[-1])
+        self.backend_plans = self._init_backend_graph_state()
         self.capture()
+
+    def _init_backend_graph_state(self) -> bool:
+        """The backend's buffers for captured metadata (triton, flashinfer; on a CPU too, under
+        Triton's interpreter), refilled out of the graph at every load; False for a backend
+        with none (torch_native reads the static views as they are). A CUDA capture needs them."""
+        try:
+            self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.windows[-1])
+        except NotImplementedError:
+            if self.replay_mode == "cuda":
+                raise
+            return False
+        return True
 
     # --- SGLang 0.5.23 asks the runner class about gathers before building it -----------------
 
@@ -294,7 +305,7 @@ class DDTreeVerifyGraphs:
         key = (bs, window)
         static = self._batches[key]
         static.seq_lens_sum = int(buf.seq_lens_cpu[:bs].sum())
-        if self.replay_mode == "cuda":
+        if self.backend_plans:
             used = mask.numel() + (bs - raw_bs) * window * (self.SEQ_LEN_FILL + window)
             self._metadata_out_of_graph(static, used, False)
         self.bs = bs
