@@ -479,6 +479,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=2, help="measured waves per configuration and concurrency"
     )
     parser.add_argument(
+        "--logs", type=Path, default=None, help="the servers' logs here (default: a temp folder)"
+    )
+    parser.add_argument(
         "--random-drafter",
         action="store_true",
         help="replace the drafter's weights by random ones (a drafter that is no use)",
@@ -499,7 +502,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     texts = heldout_prompts(args.prompts)
     prompts = [tokenizer.encode(t, add_special_tokens=False)[-args.prompt_tokens :] for t in texts]
-    logs = Path(tempfile.mkdtemp(prefix="serve-throughput-"))
+    if args.logs is None:
+        logs = Path(tempfile.mkdtemp(prefix="serve-throughput-"))
+    else:
+        logs = args.logs.resolve()
+        logs.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {logs}", flush=True)
     if args.random_drafter:
         args.drafter = random_drafter(args.drafter, logs / "random-drafter")

@@ -42,7 +42,8 @@ QUICK_SERVER_ARGS = "--disable-prefill-cuda-graph"  # start-up time; decode/veri
 QUICK_EXACTNESS = "triton and (small-none-overlap or large-none-sync)"
 CONCURRENCY = (1, 2, 4, 8, 16)
 MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
-                 "throughput-flashinfer")  # fmt: skip
+                 "throughput-flashinfer", "phases")  # fmt: skip
+PHASE_REPORT_EVERY = 25  # SGLANG_TREE_SPEC_STEP_TIMES of the phases step
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
 # Run as the ``environment`` step, in the steps' environment (the unpacked site included):
@@ -300,12 +301,28 @@ def measure_steps(
              "--concurrency", *map(str, args.concurrency), "--prompts", "16",
              "--prompt-tokens", "256", "--new-tokens", "64" if args.quick else "96",
              "--max-total-tokens", "65536",
-             "--out", str(out / name)],
-            400 if args.quick else 270 if len(backends) == 2 else 480,
+             "--logs", str(out / f"servers-{backend}"), "--out", str(out / name)],
+            380 if args.quick else 270 if len(backends) == 2 else 420,
             f"output tokens/s, {backend}: none / DFLASH chain / DDTREE "
             + " / ".join(f"B{b.split(':')[1]}" for b in budgets) + " / auto, "
             f"concurrency {'/'.join(map(str, args.concurrency))}", env=server_env, outputs=[name],
         ))  # fmt: skip
+    steps.append(Step(
+        "phases",
+        [python, "benchmarks/serve_throughput.py", "--device", "cuda",
+         "--attention-backend", "triton", "--dtype", "bfloat16",
+         "--target", str(target), "--drafter", str(drafter),
+         "--configs", f"ddtree:{small}", "--concurrency", "1", "16", "--repeats", "1",
+         "--prompts", "16", "--prompt-tokens", "256", "--new-tokens", "64",
+         "--max-total-tokens", "65536", "--logs", str(out / "servers-phases"),
+         "--out", str(out / "phases.json")],
+        150, f"where a DDTREE B{small} step's time goes on the device (draft, tree, verify, "
+        "accept, commit, observe; each phase synchronised, so not a throughput figure): the "
+        f"server logs 'DDTREE step times' every {PHASE_REPORT_EVERY} steps "
+        "(servers-phases/ddtree_*.log)",
+        env={**server_env, "SGLANG_TREE_SPEC_STEP_TIMES": str(PHASE_REPORT_EVERY)},
+        outputs=["phases.json", "servers-phases"],
+    ))  # fmt: skip
     notes = [
         f"models: {target} + {drafter} ({why})",
         "CUDA graphs for DDTREE: "

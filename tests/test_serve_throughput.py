@@ -66,3 +66,18 @@ def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
     env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
            "command": "c"}  # fmt: skip
     assert "| 10% (1.10) |" in bench.markdown([row], env)
+
+
+def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_path):
+    """One real CPU server (no speculation), one request of 4 tokens: the JSON and markdown
+    table are written and the server's log lands in ``--logs`` (the GPU runs carry it back)."""
+    serve_throughput = load_benchmark("serve_throughput")
+    out, logs = tmp_path / "table.json", tmp_path / "servers"
+    record = serve_throughput.main(
+        ["--configs", "none", "--concurrency", "1", "--prompts", "1", "--new-tokens", "4",
+         "--repeats", "1", "--logs", str(logs), "--out", str(out)]
+    )  # fmt: skip
+    assert [(r["config"], r["concurrency"]) for r in record["rows"]] == [("none", 1)]
+    assert record["rows"][0]["output_tokens_per_s"] > 0
+    assert out.is_file() and out.with_suffix(".md").is_file()
+    assert "sglang.launch_server" in (logs / "none.log").read_text().splitlines()[0]
