@@ -161,8 +161,9 @@ class SGLangBackend:
         earlier, self._verified = self._verified, self._verified + 1
         window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
-        host_lens = self.host_prefix_lens + earlier  # [bs] cached tokens, on the host
-        mask_size = window * int((host_lens + window).sum())  # FULL_MASK entries
+        host_lens = self.host_prefix_lens + earlier + window  # [bs] lengths after the window
+        host_sum = int(host_lens.sum())
+        mask_size = window * host_sum  # FULL_MASK entries
         if window == 1:  # a plain step: the root sees its prefix and itself
             mask = torch.ones(mask_size, dtype=torch.bool, device=prefix_lens.device)
         else:
@@ -185,8 +186,7 @@ class SGLangBackend:
             batch.seq_lens = prefix_lens.to(seq_lens.dtype)
         # The verify's host lengths, always given: the graph runner pads and plans from them
         # (a ``None`` here sent every GPU verify to the eager path).
-        batch.seq_lens_cpu = host_lens + window
-        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        batch.seq_lens_cpu, batch.seq_lens_sum = host_lens, host_sum
         forward_batch, replayable = verify_input.prepare_for_verify(batch, worker.target_worker)
         batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = (
             seq_lens,
@@ -197,7 +197,10 @@ class SGLangBackend:
         if graphs is not None and graphs.can_run_graph(forward_batch):
             self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True
         else:
-            runner = graphs or worker.target_worker.model_runner.decode_cuda_graph_runner
+            # (the runner SGLang's prepare_for_verify asked; only read for this log line)
+            runner = graphs or getattr(
+                worker.target_worker.model_runner, "decode_cuda_graph_runner", None
+            )
             if not replayable and isinstance(runner, DDTreeVerifyGraphs):
                 runner.log_eager_verify(forward_batch)
             out = worker.target_worker.forward_batch_generation(
