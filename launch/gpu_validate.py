@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -42,7 +43,9 @@ QUICK_SERVER_ARGS = "--disable-prefill-cuda-graph"  # start-up time; decode/veri
 QUICK_EXACTNESS = "triton and (small-none-overlap or large-none-sync)"
 CONCURRENCY = (1, 2, 4, 8, 16)
 MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
-                 "throughput-flashinfer", "phases")  # fmt: skip
+                 "throughput-flashinfer", "phases", "step-cost-8b")  # fmt: skip
+OPT_IN_STEPS = ("step-cost-8b",)  # planned only when --only names them
+SHAPED_PAIR = Path(tempfile.gettempdir()) / "gpu-validate-llama-3.1-8b-shaped"  # 16 GB, not kept
 PHASE_REPORT_EVERY = 25  # SGLANG_TREE_SPEC_STEP_TIMES of the phases step
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
@@ -113,7 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--python", default=sys.executable, help="interpreter for every step")
     parser.add_argument("--only", nargs="+", metavar="STEP", choices=MEASURE_STEPS,
                         help="run only these measuring steps (the installs always run): "
-                        + ", ".join(MEASURE_STEPS))  # fmt: skip
+                        + ", ".join(MEASURE_STEPS) + "; " + ", ".join(OPT_IN_STEPS)
+                        + " runs only when named here")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                         help="the throughput table's concurrencies")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a 15-minute lease: exactness on "
@@ -272,7 +276,7 @@ def measure_steps(
         [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
          f"--junitxml={out / 'gpu_exactness.xml'}", f"--basetemp={out / 'exactness'}",
          *(["-k", QUICK_EXACTNESS] if args.quick else [])],
-        330 if args.quick else 690,
+        330 if args.quick else 600,
         "DDTREE vs no speculation, greedy, triton and flashinfer in bfloat16 (SGLang's CUDA "
         "rmsnorm has no float32) up to near-ties of the target's logits, budgets "
         f"{block} and {4 * block}, with and without grafting, under SGLang's "
@@ -323,6 +327,24 @@ def measure_steps(
         env={**server_env, "SGLANG_TREE_SPEC_STEP_TIMES": str(PHASE_REPORT_EVERY)},
         outputs=["phases.json", "servers-phases"],
     ))  # fmt: skip
+    shaped = shlex.quote(str(SHAPED_PAIR))
+    steps.append(Step(
+        "step-cost-8b",
+        ["sh", "-c", f"{shlex.quote(python)} -m sglang_tree_spec.cli models shaped-pair "
+         f"--shape llama-3.1-8b --out {shaped} --device cuda && "
+         + shlex.join([python, "benchmarks/serve_throughput.py", "--device", "cuda",
+                       "--attention-backend", "triton", "--dtype", "bfloat16",
+                       "--target", f"{SHAPED_PAIR}/target", "--drafter", f"{SHAPED_PAIR}/drafter",
+                       "--configs", "none", "ddtree:4", "ddtree:16", "ddtree:64",
+                       "--concurrency", "1", "16", "--repeats", "1", "--prompts", "16",
+                       "--prompt-tokens", "128", "--new-tokens", "32",
+                       "--max-total-tokens", "65536", "--logs", str(out / "servers-8b"),
+                       "--out", str(out / "step_cost_8b.json")])],
+        360, "step times of a Llama-3.1-8B-shaped target with random weights (models "
+        "shaped-pair: about one token a step whatever the budget): none vs DDTREE B 4 / 16 / "
+        "64 at batch sizes 1 and 16, i.e. C(bs, N) / C(bs, 0) of the latency model on this GPU",
+        env=server_env, outputs=["step_cost_8b.json", "servers-8b"],
+    ))  # fmt: skip
     notes = [
         f"models: {target} + {drafter} ({why})",
         "CUDA graphs for DDTREE: "
@@ -345,6 +367,8 @@ def measure_steps(
         steps = [step for step in steps if step.name != "tree-build"]
     if args.only:
         steps = [step for step in steps if step.name in args.only]
+    else:  # its own lease: 16 GB of random weights and four 8B servers
+        steps = [step for step in steps if step.name not in OPT_IN_STEPS]
     return steps, facts
 
 

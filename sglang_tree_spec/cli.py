@@ -70,6 +70,12 @@ def _build_small_pair(args: argparse.Namespace) -> int:
     return run_build_small_pair(args)
 
 
+def _shaped_pair(args: argparse.Namespace) -> int:
+    from sglang_tree_spec.models.shaped_pair import run_shaped_pair
+
+    return run_shaped_pair(args)
+
+
 def _train_drafter(args: argparse.Namespace) -> int:
     from sglang_tree_spec.models.train_dflash import run_train_drafter
 
@@ -174,17 +180,24 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
         "build-small-pair",
         help="train the small target + DFlash drafter pair (~30 min, 2 CPU cores)",
     )
+    shaped = model_commands.add_parser(
+        "shaped-pair",
+        help="a target + DFlash drafter of a real model's shape, random weights (step timing)",
+    )
     if with_models:
         from sglang_tree_spec.models.regen_data import add_regen_data_args
+        from sglang_tree_spec.models.shaped_pair import add_shaped_pair_args
         from sglang_tree_spec.models.small_pair import add_build_small_pair_args
         from sglang_tree_spec.models.train_dflash import add_train_drafter_args
 
         add_train_drafter_args(train)
         add_regen_data_args(regen)
         add_build_small_pair_args(pair)
+        add_shaped_pair_args(shaped)
     train.set_defaults(handler=_train_drafter)
     regen.set_defaults(handler=_regen_data)
     pair.set_defaults(handler=_build_small_pair)
+    shaped.set_defaults(handler=_shaped_pair)
     return parser
 
 

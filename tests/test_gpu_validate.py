@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,18 @@ def test_only_keeps_the_installs_and_the_steps_named(tmp_path):
     assert list(steps) == ["unpack-site", "install-plugin", "exactness", "throughput-triton"]
     assert "--concurrency 1 8 --prompts" in " ".join(steps["throughput-triton"]["argv"])
     assert f"--basetemp={out.resolve() / 'exactness'}" in steps["exactness"]["argv"]
+
+
+def test_the_8b_step_cost_runs_only_when_named(tmp_path):
+    """``step-cost-8b`` (an 8B-shaped random pair, four 8B servers) is its own lease."""
+    out = tmp_path / "results"
+    result = gpu_validate("--dry-run", "--only", "step-cost-8b", "--out", str(out), cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (step,) = json.loads((out / "plan.json").read_text())
+    command = shlex.join(step["argv"])
+    assert "models shaped-pair --shape llama-3.1-8b" in command and "--device cuda" in command
+    assert "--configs none ddtree:4 ddtree:16 ddtree:64 --concurrency 1 16" in command
+    assert step["budget_s"] < 600
 
 
 def test_bad_arguments_exit_with_one_line(tmp_path):
