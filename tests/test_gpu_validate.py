@@ -206,7 +206,8 @@ def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path):
     steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
     assert list(steps) == ["environment", "exactness", "throughput-triton", "phases"]
     exactness, table = steps["exactness"], steps["throughput-triton"]
-    assert "-k 'triton and (small-none-overlap or large-none-sync)'" in exactness["command"]
+    quick_cases = "-k 'triton and (baseline or small-none-overlap or large-none-sync)'"
+    assert quick_cases in exactness["command"]
     assert "--configs none dflash ddtree:8 ddtree:auto --auto-max-budget 32" in table["command"]
     for step in (exactness, table):
         assert step["env"]["SGLANG_TREE_SPEC_SERVER_ARGS"] == "--disable-prefill-cuda-graph"
