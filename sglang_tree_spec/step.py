@@ -37,6 +37,7 @@ from sglang_tree_spec.tree import (
     greedy_accept,
     sample_accept,
 )
+from sglang_tree_spec.tree.graphs import TreeGraphs
 from sglang_tree_spec.tree.select import (
     ChainSelector,
     DDTreeSelector,
@@ -428,8 +429,9 @@ def make_selector(
     if config.chain:
         return ChainSelector()
     prune = torch.device(device).type == "cpu"
-    if config.graft == "none":
-        return DDTreeSelector(config.k, prune=prune)
+    if config.graft == "none":  # on CUDA the batched build is replayed from CUDA graphs
+        cuda = torch.device(device).type == "cuda"
+        return DDTreeSelector(config.k, prune=prune, graphs=TreeGraphs("cuda") if cuda else None)
     from sglang_tree_spec.graft import Grafter
 
     return Grafter(

@@ -58,6 +58,7 @@ VARIANTS = ("small-none-overlap", "large-none-overlap", "large-unified-overlap",
 # Backend-major: each backend's cases run together (pytest alternated them when the backend was
 # its own fixture, and restarted the no-speculation server at every switch).
 CASES = [f"{variant}-{backend}" for backend in BACKENDS for variant in VARIANTS]
+TREE_GRAPHS_LINE = "DDTREE tree builds: one graph per (batch size, budget) (CUDA graphs)"
 GRAPH_CAPTURED = re.compile(r"Capture [a-z ]*CUDA graph end")  # "Capture target decode ..."
 
 
@@ -242,6 +243,8 @@ def test_ddtree_cuda_graphs_are_what_the_plugin_says(ddtree):
         assert "DDTREE verify ran eagerly" not in ddtree["log"]
     else:
         assert GRAPHS_OFF_LINE in ddtree["log"]
+    if ddtree["graft"] == "none":  # DDTree's own batched build is graphed on CUDA
+        assert TREE_GRAPHS_LINE in ddtree["log"]
 
 
 def test_ddtree_runs_under_the_scheduler_asked_for(ddtree):

@@ -96,6 +96,7 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
     shapes = set(re.findall(r"DDTREE verify graph replayed: batch size (\d+), budget (\d+)", log))
     assert shapes == {(str(bs), str(b)) for bs in BATCH_SIZES for b in BUDGETS}, shapes
     assert "DDTREE verify ran eagerly" not in log  # every step was a replay
+    assert "DDTREE tree builds: one graph per (batch size, budget) (closure replay)" in log
     assert NEW_TOKENS > 1
 
 
@@ -116,4 +117,5 @@ def test_triton_under_overlap_replays_every_verify(replayed_triton_overlap, base
     assert "overlap scheduling on" in log
     assert "DDTREE verify ran eagerly" not in log
     assert "DDTREE verify graph replayed" in log
+    assert "DDTREE tree builds: one graph per (batch size, budget) (closure replay)" in log
     assert replayed_triton_overlap["concurrent"] == baseline[:4]

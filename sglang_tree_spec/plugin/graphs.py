@@ -33,11 +33,24 @@ import torch
 logger = logging.getLogger(__name__)
 
 CPU_GRAPHS_ENV = "SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS"
-"""Set to 1 on a CPU server: the DDTREE worker verifies through closure replay (tests)."""
+"""Set to 1 on a CPU server: the DDTREE worker verifies, and builds its trees, through closure
+replay (tests)."""
 
 
 def cpu_verify_graphs_requested() -> bool:
     return os.environ.get(CPU_GRAPHS_ENV, "0") == "1"
+
+
+def closure_tree_graphs(selector: Any) -> Any:
+    """With :data:`CPU_GRAPHS_ENV` on a CPU server, a DDTree selector builds its trees as on
+    CUDA (the batched build, static inputs and outputs: ``tree/graphs.py``), replayed as
+    closures; other selectors are kept."""
+    from sglang_tree_spec.tree.graphs import TreeGraphs
+    from sglang_tree_spec.tree.select import DDTreeSelector
+
+    if type(selector) is not DDTreeSelector:
+        return selector
+    return DDTreeSelector(selector.topk, graphs=TreeGraphs("closure"))
 
 
 def ddtree_decode_graph_runner_cls(original: Any, model_runner: Any) -> type:

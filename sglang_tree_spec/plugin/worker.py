@@ -36,7 +36,11 @@ from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.backend import SGLangBackend
 from sglang_tree_spec.plugin.compat import check_worker_attributes
 from sglang_tree_spec.plugin.deferred import DeferredContext
-from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs, cpu_verify_graphs_requested
+from sglang_tree_spec.plugin.graphs import (
+    DDTreeVerifyGraphs,
+    closure_tree_graphs,
+    cpu_verify_graphs_requested,
+)
 from sglang_tree_spec.plugin.logprobs import fill_decode_logprobs
 from sglang_tree_spec.plugin.metrics import DDTreeMetrics
 from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
@@ -130,6 +134,14 @@ def _define_worker() -> type:
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
+            if self.device == "cpu" and cpu_verify_graphs_requested():
+                self.selector = closure_tree_graphs(self.selector)
+            tree_graphs = getattr(self.selector, "graphs", None)
+            if tree_graphs is not None:
+                logger.info(
+                    "DDTREE tree builds: one graph per (batch size, budget) (%s)",
+                    "CUDA graphs" if tree_graphs.mode == "cuda" else "closure replay",
+                )
             self.draft_vocab = self._draft_vocab(server_args)
             self._samples = SampleNumbers()  # n > 1: the sample index of seeded requests
             self.table_mode = str(getattr(server_args, "speculative_ddtree_table", "shared"))

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from sglang_tree_spec.tree.ddtree import DraftTree, build_chain, build_ddtree
+from sglang_tree_spec.tree.graphs import TreeGraphs
 
 
 class TreeSelector(Protocol):
@@ -61,14 +62,20 @@ class DDTreeSelector:
         topk: K tokens per depth.
         prune: the host builder's early stop (:func:`build_ddtree`); pass it for host tensors
             only (it reads scores back).
+        graphs: replay the batched build from CUDA graphs (:class:`TreeGraphs`, device
+            tensors); its trees are valid until the next build of the same shape.
     """
 
     nested = True
 
-    def __init__(self, topk: int, prune: bool = False) -> None:
-        self.topk, self.prune = topk, prune
+    def __init__(self, topk: int, prune: bool = False, graphs: TreeGraphs | None = None) -> None:
+        if prune and graphs is not None:
+            raise ValueError("DDTreeSelector: the pruned host builder cannot be graphed")
+        self.topk, self.prune, self.graphs = topk, prune, graphs
 
     def select(self, topk_logprobs, topk_tokens, root_tokens, budget) -> DraftTree:
+        if self.graphs is not None:
+            return self.graphs.build(topk_logprobs, topk_tokens, budget)
         return build_ddtree(topk_logprobs, topk_tokens, budget, validate=False, prune=self.prune)
 
     def learn(self, tree, window_tokens, logits, committed) -> None:

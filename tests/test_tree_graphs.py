@@ -1,0 +1,102 @@
+"""The DDTree build replayed from graphs (``tree/graphs.py``): the same trees as the eager build,
+in static outputs that the next build of the same shape overwrites.
+
+On a CPU the ``closure`` mode keeps the CUDA mode's semantics (static inputs, static outputs);
+the engine's decode steps through it must commit the same tokens, step by step, as the eager
+build, which is what shows that no step reads a tree after the next build of its shape (budget
+control included: its forecast builds the widest tree and cuts the step's from it). The CUDA
+mode runs where a GPU is (``launch/gpu-validate.sh``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sglang_tree_spec.config import TreeConfig
+from sglang_tree_spec.engine import SpecEngine
+from sglang_tree_spec.engine.loading import load_drafter, load_target
+from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.step import make_selector
+from sglang_tree_spec.tree import build_ddtree
+from sglang_tree_spec.tree.graphs import TreeGraphs
+from sglang_tree_spec.tree.select import DDTreeSelector
+
+
+def topk(bs: int, depth: int, k: int, seed: int, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(bs, depth, 64, generator=gen)
+    lp, tok = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return lp.to(device), tok.to(device)
+
+
+def assert_same_tree(got, want) -> None:
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        if isinstance(b, torch.Tensor):
+            assert torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+
+
+@pytest.mark.parametrize("mode", ["closure", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+def test_replays_equal_the_eager_build_on_every_shape(mode):
+    device = "cuda" if mode == "cuda" else "cpu"
+    graphs = TreeGraphs(mode)
+    for step in range(3):  # a new top-K each step, the same shapes
+        for bs, budget in ((1, 4), (3, 16), (3, 32), (5, 16)):
+            lp, tok = topk(bs, 7, 8, seed=100 * step + 10 * bs + budget, device=device)
+            want = build_ddtree(lp, tok, budget, validate=False)
+            assert_same_tree(graphs.build(lp, tok, budget), want)
+    assert graphs.replays == 12 and len(graphs._shapes) == 4
+
+
+def test_a_tree_lives_until_the_next_build_of_its_shape():
+    graphs = TreeGraphs("closure")
+    first = graphs.build(*topk(2, 7, 8, seed=1), 16)
+    kept = first.tokens.clone()
+    other_shape = graphs.build(*topk(2, 7, 8, seed=2), 8)  # another budget: untouched
+    assert torch.equal(first.tokens, kept) and other_shape is not first
+    second = graphs.build(*topk(2, 7, 8, seed=3), 16)
+    assert second.tokens.data_ptr() == first.tokens.data_ptr()  # the same static outputs
+    assert not torch.equal(first.tokens, kept)  # so the first tree now reads the second
+
+
+def test_the_selector_graphs_the_batched_build_on_cuda_only():
+    cuda = make_selector(TreeConfig(budget=16), 64, "cuda:0")
+    cpu = make_selector(TreeConfig(budget=16), 64, "cpu")
+    assert isinstance(cuda.graphs, TreeGraphs) and cuda.graphs.mode == "cuda" and not cuda.prune
+    assert cpu.graphs is None and cpu.prune
+    with pytest.raises(ValueError, match="cannot be graphed"):
+        DDTreeSelector(8, prune=True, graphs=TreeGraphs("closure"))
+    with pytest.raises(ValueError, match="mode"):
+        TreeGraphs("eager")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cpu = torch.device("cpu")
+    target, tokenizer = load_target(SMALL_PAIR_DIR / "target", cpu, torch.float64)
+    drafter = load_drafter(SMALL_PAIR_DIR / "drafter", cpu, torch.float64)
+    prompts = [tokenizer.encode(t, add_special_tokens=False)[-96:] for t in heldout_prompts(3)]
+    return target, drafter, prompts
+
+
+@pytest.mark.parametrize("kwargs", [{"budget": 16}, {"budget": 32, "auto": True}],
+                         ids=["fixed", "auto"])  # fmt: skip
+def test_engine_steps_through_replayed_trees_commit_the_same_tokens(pair, kwargs):
+    target, drafter, prompts = pair
+    eager = SpecEngine(target, drafter, method="ddtree", **kwargs)
+    eager.selector.prune = False  # the batched build, as on a GPU
+    replayed = SpecEngine(target, drafter, method="ddtree", **kwargs)
+    replayed.selector = DDTreeSelector(replayed.selector.topk, graphs=TreeGraphs("closure"))
+    want = eager.generate(prompts, 40, stop_token_ids=[])
+    got = replayed.generate(prompts, 40, stop_token_ids=[])
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    # Greedy verification keeps the tokens right whatever the tree: the trees themselves must
+    # be the same too, so every step accepts as many tokens as the eager build's.
+    assert [r.stats.commit_lengths for r in got] == [r.stats.commit_lengths for r in want]
+    assert replayed.selector.graphs.replays > 10
