@@ -65,6 +65,18 @@ def test_a_tree_lives_until_the_next_build_of_its_shape():
     assert not torch.equal(first.tokens, kept)  # so the first tree now reads the second
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a capture that fails: needs no CUDA")
+def test_a_failed_capture_falls_back_to_eager_builds(caplog):
+    graphs = TreeGraphs("cuda")  # on a machine without CUDA its capture raises
+    lp, tok = topk(2, 7, 8, seed=5)
+    with caplog.at_level("WARNING"):
+        tree = graphs.build(lp, tok, 16)
+    assert_same_tree(tree, build_ddtree(lp, tok, 16, validate=False))
+    assert graphs.failed and "graph capture failed" in caplog.text
+    assert_same_tree(graphs.build(lp, tok, 8), build_ddtree(lp, tok, 8, validate=False))
+    assert not graphs._shapes
+
+
 def test_the_selector_graphs_the_batched_build_on_cuda_only():
     cuda = make_selector(TreeConfig(budget=16), 64, "cuda:0")
     cpu = make_selector(TreeConfig(budget=16), 64, "cpu")

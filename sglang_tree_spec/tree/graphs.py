@@ -19,11 +19,14 @@ past the next build of its shape reads the new one there too, as it would on a G
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 
 from sglang_tree_spec.tree.ddtree import DraftTree, build_ddtree
+
+logger = logging.getLogger(__name__)
 
 MODES = ("cuda", "closure")
 
@@ -48,15 +51,25 @@ class TreeGraphs:
         self.mode = mode
         self._shapes: dict[tuple, _Shape] = {}
         self.replays = 0
+        self.failed: str | None = None  # a capture failed: every build is eager from then on
 
     def build(
         self, topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int
     ) -> DraftTree:
         """The DDTree of ``budget`` nodes of ``[bs, L, K]`` top-K, in the shape's static outputs."""
+        if self.failed is not None:
+            return _build(topk_logprobs, topk_tokens, budget)
         key = (*topk_logprobs.shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = self._capture(topk_logprobs, topk_tokens, budget)
+            try:
+                shape = self._capture(topk_logprobs, topk_tokens, budget)
+            except Exception as error:  # a server keeps serving: eager builds are as exact
+                self.failed = f"{type(error).__name__}: {error}"
+                logger.warning("DDTREE tree builds: graph capture failed (%s); eager builds "
+                               "from now on", self.failed)  # fmt: skip
+                return _build(topk_logprobs, topk_tokens, budget)
+            self._shapes[key] = shape
         shape.topk_logprobs.copy_(topk_logprobs)
         shape.topk_tokens.copy_(topk_tokens)
         if shape.graph is not None:
