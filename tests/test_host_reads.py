@@ -26,12 +26,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from tree_helpers import small_pair
 
 import sglang_tree_spec.engine.spec_engine as spec_engine
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.backend import TransformersBackend
-from sglang_tree_spec.engine.loading import load_drafter, load_target
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 
 READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
             "unique_consecutive"}  # fmt: skip
@@ -110,11 +109,7 @@ def counting_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Reads]:
 
 @pytest.fixture(scope="module")
 def pair():
-    cpu = torch.device("cpu")
-    target, tokenizer = load_target(SMALL_PAIR_DIR / "target", cpu, torch.float32)
-    drafter = load_drafter(SMALL_PAIR_DIR / "drafter", cpu, torch.float32)
-    prompts = [tokenizer.encode(t, add_special_tokens=False)[-96:] for t in heldout_prompts(3)]
-    return target, drafter, prompts
+    return small_pair(torch.float32)
 
 
 def steady_reads(pair, monkeypatch, **engine_kwargs) -> _Reads:

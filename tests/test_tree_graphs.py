@@ -14,11 +14,10 @@ import dataclasses
 
 import pytest
 import torch
+from tree_helpers import random_marginals, small_pair
 
 from sglang_tree_spec.config import TreeConfig
 from sglang_tree_spec.engine import SpecEngine
-from sglang_tree_spec.engine.loading import load_drafter, load_target
-from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.step import make_selector
 from sglang_tree_spec.tree import build_ddtree
 from sglang_tree_spec.tree.graphs import TreeGraphs
@@ -26,9 +25,7 @@ from sglang_tree_spec.tree.select import DDTreeSelector
 
 
 def topk(bs: int, depth: int, k: int, seed: int, device: str = "cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    logits = 3.0 * torch.randn(bs, depth, 64, generator=gen)
-    lp, tok = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    lp, tok = random_marginals(bs, depth, k, vocab=64, seed=seed)
     return lp.to(device), tok.to(device)
 
 
@@ -90,11 +87,7 @@ def test_the_selector_graphs_the_batched_build_on_cuda_only():
 
 @pytest.fixture(scope="module")
 def pair():
-    cpu = torch.device("cpu")
-    target, tokenizer = load_target(SMALL_PAIR_DIR / "target", cpu, torch.float64)
-    drafter = load_drafter(SMALL_PAIR_DIR / "drafter", cpu, torch.float64)
-    prompts = [tokenizer.encode(t, add_special_tokens=False)[-96:] for t in heldout_prompts(3)]
-    return target, drafter, prompts
+    return small_pair(torch.float64)  # float64: no near-tie can flip a token between the two
 
 
 @pytest.mark.parametrize("kwargs", [{"budget": 16}, {"budget": 32, "auto": True}],

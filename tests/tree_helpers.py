@@ -73,3 +73,16 @@ def assert_well_formed(tree, topk_logprobs, topk_tokens) -> None:
         for i in range(n_valid, budget):
             assert (parents[i], depths[i], tokens[i]) == (-1, 1, 0)
             assert tree.logprobs[b, i].item() == float("-inf")
+
+
+def small_pair(dtype: torch.dtype, prompts: int = 3) -> tuple:
+    """The committed small pair on CPU in ``dtype`` and ``prompts`` held-out prompts (their last
+    96 tokens): ``(target, drafter, prompt ids)`` for the engine."""
+    from sglang_tree_spec.engine.loading import load_drafter, load_target
+    from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+
+    cpu = torch.device("cpu")
+    target, tokenizer = load_target(SMALL_PAIR_DIR / "target", cpu, dtype)
+    drafter = load_drafter(SMALL_PAIR_DIR / "drafter", cpu, dtype)
+    texts = heldout_prompts(prompts)
+    return target, drafter, [tokenizer.encode(t, add_special_tokens=False)[-96:] for t in texts]

@@ -62,24 +62,31 @@ def _layer(prefix: str, shape: ModelShape, generator, device, qk_norm: bool) -> 
     return {name: t.cpu() for name, t in weights.items()}
 
 
-def target_config(shape: ModelShape) -> dict:
+def _dims(shape: ModelShape, layers: int) -> dict:
+    """The config fields a target and its drafter share (the drafter's own layer count)."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "dtype": "bfloat16",
         "vocab_size": shape.vocab,
         "hidden_size": shape.hidden,
         "intermediate_size": shape.ffn,
-        "num_hidden_layers": shape.layers,
+        "num_hidden_layers": layers,
         "num_attention_heads": shape.q_heads,
         "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
         "initializer_range": INIT_STD,
-        "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
         "attention_bias": False,
+    }
+
+
+def target_config(shape: ModelShape) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_dims(shape, shape.layers),
+        "rms_norm_eps": 1e-5,
         "mlp_bias": False,
         "tie_word_embeddings": shape.tied_embeddings,
         "bos_token_id": None,
@@ -93,20 +100,8 @@ def drafter_config(shape: ModelShape, layers: int, block: int, target_layers: li
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "dtype": "bfloat16",
-        "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.ffn,
-        "num_hidden_layers": layers,
-        "num_attention_heads": shape.q_heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
-        "initializer_range": INIT_STD,
+        **_dims(shape, layers),
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
-        "attention_bias": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "layer_types": ["full_attention"] * layers,
