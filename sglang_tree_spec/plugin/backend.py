@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from sglang_tree_spec.plugin import compat
-from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs
 from sglang_tree_spec.tree import (
     VerifyLayout,
     topk_from_logits,
@@ -187,7 +186,7 @@ class SGLangBackend:
         # The verify's host lengths, always given: the graph runner pads and plans from them
         # (a ``None`` here sent every GPU verify to the eager path).
         batch.seq_lens_cpu, batch.seq_lens_sum = host_lens, host_sum
-        forward_batch, replayable = verify_input.prepare_for_verify(batch, worker.target_worker)
+        forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
         batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = (
             seq_lens,
             seq_lens_cpu,
@@ -196,13 +195,7 @@ class SGLangBackend:
         graphs = worker.verify_graphs  # CPU closure replay (tests); on CUDA SGLang's runner
         if graphs is not None and graphs.can_run_graph(forward_batch):
             self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True
-        else:
-            # (the runner SGLang's prepare_for_verify asked; only read for this log line)
-            runner = graphs or getattr(
-                worker.target_worker.model_runner, "decode_cuda_graph_runner", None
-            )
-            if not replayable and isinstance(runner, DDTreeVerifyGraphs):
-                runner.log_eager_verify(forward_batch)
+        else:  # (the runner logs the verifies of captured shapes it refused)
             out = worker.target_worker.forward_batch_generation(
                 batch=None,
                 forward_batch=forward_batch,

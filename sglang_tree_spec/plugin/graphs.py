@@ -278,14 +278,18 @@ class DDTreeVerifyGraphs:
         bs = forward_batch.batch_size
         if window not in self.windows or self._padded_bs(bs) is None:
             return False
-        if forward_batch.seq_lens_cpu is None:
-            return False
-        return int(spec_info.custom_mask.numel()) <= self.buffers.custom_mask.numel() - (
+        fits = forward_batch.seq_lens_cpu is not None and int(
+            spec_info.custom_mask.numel()
+        ) <= self.buffers.custom_mask.numel() - (
             (self.max_bs - bs) * window * (self.SEQ_LEN_FILL + window)
         )
+        if not fits:
+            self.log_eager_verify(forward_batch)
+        return fits
 
     def log_eager_verify(self, forward_batch: Any) -> None:
-        """Log (once per shape) a verify this runner could not serve, which runs eagerly."""
+        """Log (once per shape) a tree verify of a captured shape this runner could not serve
+        (no host lengths, or a mask past its buffer), which runs eagerly."""
         shape = (forward_batch.batch_size, int(forward_batch.spec_info.draft_token_num) - 1)
         if shape not in self.eager_shapes:
             self.eager_shapes.add(shape)
