@@ -26,6 +26,7 @@ from sglang_tree_spec.control import (
     roofline_step_seconds,
     top_nodes,
 )
+from sglang_tree_spec.control.latency import bucket_of
 from sglang_tree_spec.tree import build_ddtree, greedy_accept
 
 FIELDS = ("tokens", "parents", "depths", "logprobs", "valid")
@@ -758,13 +759,34 @@ def test_profile_measures_every_candidate_before_choosing():
     tree = strong_or_useless_tree(1, strong=False)
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
     order = []
-    for _ in range(2 * len(ctl.config.budgets)):
+    for _ in range(2 * (len(ctl.config.budgets) + 1)):
         budget, drafted = step_budget(ctl, 1, None)  # a profile step needs no forecast
         ctl.record_step(1, budget, 0.01 * (budget + 1), drafted)
         order.append((budget, drafted))
-    assert order == 2 * ([(0, False)] + [(b, True) for b in ctl.config.budgets[1:]])
+    # the step after a plain one is not recorded (record_step): budget 4 runs twice a round
+    assert order == 2 * ([(0, False), (4, True)] + [(b, True) for b in ctl.config.budgets[1:]])
+    assert ctl.latency.count[0] == [2] * len(ctl.config.budgets)
     assert step_budget(ctl, 1, fc) == (4, True)  # profiled: useless drafter -> plain
     assert step_budget(ctl, 1, fc) == (0, False)
+
+
+def test_the_drafted_step_after_a_plain_one_does_not_set_its_budgets_cell():
+    """A drafted step right after a plain one pays the drafter's catch-up on the plain
+    forwards' context. In the start-up profile's round robin that step is always budget 4's:
+    recorded, budget 4's cell read the catch-up as its own cost (batch size 16 through SGLang:
+    0.97x budget 8's cell for a true 0.85x) and auto never chose it again. Not recorded, the
+    profile measures budget 4 on the next step and the cells keep their true ratio."""
+    ctl = roofline_controller(budgets=(0, 4, 8), profile_steps=3)
+    cost = {0: 0.013, 4: 0.0257, 8: 0.0304}  # per forward; held steps at batch size 16
+    catch_up = 0.009  # the first drafted step after a plain one
+    last_plain = False
+    for _ in range(3 * 4):
+        budget, drafted = step_budget(ctl, 16, None)
+        ctl.record_step(16, budget, cost[budget] + (catch_up if last_plain else 0.0), drafted)
+        last_plain = not drafted
+    assert ctl.latency.count[bucket_of(ctl.latency.bs_buckets, 16)] == [3, 3, 3]
+    row = ctl.latency.row(16)
+    assert row[1] / row[2] == pytest.approx(cost[4] / cost[8], rel=0.02)
 
 
 def test_after_one_whole_profile_a_bucket_profiles_its_contenders_alone():
@@ -773,8 +795,8 @@ def test_after_one_whole_profile_a_bucket_profiles_its_contenders_alone():
     ``explore_margin`` of the best: round robin, then the model's choice."""
     ctl = roofline_controller(profile_steps=2, explore_margin=0.15)
     cost = {0: 0.010, 4: 0.012, 8: 0.013, 16: 0.015, 32: 0.020, 64: 0.030}  # per forward
-    for _ in range(2 * len(cost)):  # batch size 1: every candidate, twice
-        budget, drafted = step_budget(ctl, 1, None)
+    for _ in range(2 * (len(cost) + 1)):  # batch size 1: every candidate, twice (and budget
+        budget, drafted = step_budget(ctl, 1, None)  # 4 once more a round: after plain)
         ctl.record_step(1, budget, cost[budget], drafted)
     assert ctl.latency.count[0] == [2] * len(cost)
     tree = strong_or_useless_tree(2, strong=True)
@@ -930,20 +952,22 @@ def test_exploration_re_measures_plain_steps_while_auto_drafts():
     exploration step, which takes the stalest budget > 0. A strong drafter keeps auto drafting."""
     ctl, fc = exploring_controller()
     steps = []
-    for _ in range(len(ctl.config.budgets) + 16):  # the profile, then 16 steps
+    profile = len(ctl.config.budgets) + 1  # budget 4 twice: once after the plain step
+    for _ in range(profile + 16):  # the profile, then 16 steps
         budget, drafted = step_budget(ctl, 1, fc)
         ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)  # drafting pays
         steps.append((budget, drafted))
-    after = steps[len(ctl.config.budgets) :]
+    after = steps[profile:]
     plain = [i for i, (_, drafted) in enumerate(after) if not drafted]
     assert plain == [3]  # budget 0's cell (stamped at the profile) is explored first, once
     assert after[3] == (0, False)
     assert ctl.latency.count[0][0] == 2  # the profile's plain step and the explored one
     best = after[0][0]
-    assert best > 0 and [b for i, (b, _) in enumerate(after) if i not in (3, 4, 8, 12)] == (
-        [best] * 12
+    assert best > 0 and [b for i, (b, _) in enumerate(after) if i not in (3, 4, 5, 8, 12)] == (
+        [best] * 11
     )
     assert len({after[i][0] for i in (4, 8, 12)} - {best}) == 3  # then the stalest > 0
+    assert after[5] == after[4]  # after the plain step one step more (the first is not timed)
 
 
 def test_an_exploration_takes_one_plain_step_even_when_its_time_is_lost():
@@ -953,12 +977,13 @@ def test_an_exploration_takes_one_plain_step_even_when_its_time_is_lost():
     until the batch changed)."""
     ctl, fc = exploring_controller()
     drafted_flags = []
-    for _ in range(len(ctl.config.budgets) + 40):  # the profile, then 40 steps
+    profile = len(ctl.config.budgets) + 1  # budget 4 twice: once after the plain step
+    for _ in range(profile + 40):  # the profile, then 40 steps
         budget, drafted = step_budget(ctl, 1, fc)
         if drafted or ctl.latency.count[0][0] == 0:  # the profile's plain step alone is timed
             ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)
         drafted_flags.append(drafted)
-    after = drafted_flags[len(ctl.config.budgets) :]
+    after = drafted_flags[profile:]
     plain = [i for i, drafted in enumerate(after) if not drafted]
     assert ctl.latency.count[0][0] == 1
     assert len(plain) >= 4 and all(b - a >= 4 for a, b in itertools.pairwise(plain))
@@ -977,7 +1002,7 @@ def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
     )
     tree = strong_or_useless_tree(1, strong=True)
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
-    for _ in range(len(budgets)):  # the profile
+    for _ in range(len(budgets) + 1):  # the profile (budget 4 twice: after the plain step)
         budget, drafted = step_budget(ctl, 1, None)
         ctl.record_step(1, budget, steep[0][budgets.index(budget)], drafted)
     chosen = []
@@ -986,11 +1011,12 @@ def test_exploration_re_measures_the_stalest_budget_without_a_forecast():
         ctl.record_step(1, budget, steep[0][budgets.index(budget)], drafted)
         chosen.append(budget)
     # budget 0's cell (the profile's) is the stalest first: a plain step, then the stalest > 0
-    assert chosen == [4, 4, 4, 0, 8, 4, 4, 4, 16, 4, 4, 4]
+    # (for two steps: the first after a plain step is not timed)
+    assert chosen == [4, 4, 4, 0, 8, 8, 4, 4, 16, 4, 4, 4]
     useless = roofline_controller(profile_steps=1, explore_every=2)
     bad = strong_or_useless_tree(1, strong=False)
     bad_fc = useless.forecast(torch.arange(1), bad.logprobs, bad.depths, bad.valid)
-    for _ in range(len(budgets)):
+    for _ in range(len(budgets) + 1):
         budget, drafted = step_budget(useless, 1, None)
         useless.record_step(1, budget, 0.01 * (budget + 1), drafted)
     probes = []
@@ -1018,11 +1044,12 @@ def test_explorations_re_measure_the_contenders_alone():
         tree = strong_or_useless_tree(1, strong=True)
         fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
         steps = []
-        for _ in range(len(budgets) + 32):  # the profile, then 32 steps
+        profile = len(budgets) + 1  # budget 4 twice: once after the plain step
+        for _ in range(profile + 32):  # the profile, then 32 steps
             budget, drafted = step_budget(ctl, 1, fc)
             ctl.record_step(1, budget, row[budgets.index(budget)], drafted)
             steps.append((budget, drafted))
-        return steps[len(budgets) :]
+        return steps[profile:]
 
     contenders = chosen(0.3)
     assert {b for b, _ in contenders} == {4, 8} and all(drafted for _, drafted in contenders)
@@ -1045,7 +1072,7 @@ def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     )
     tree = strong_or_useless_tree(1, strong=True)
     fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
-    for _ in range(len(budgets)):  # the profile, under the old load
+    for _ in range(len(budgets) + 1):  # the profile, under the old load (budget 4 twice)
         budget, drafted = step_budget(ctl, 1, None)
         ctl.record_step(1, budget, then[budget], drafted)
     for _ in range(8):
@@ -1105,6 +1132,7 @@ def test_a_plain_steps_time_is_recorded_per_forward():
     ctl = BudgetController(ControlConfig(budgets=budgets), model, max_slots=1)
     for _ in range(3):
         ctl.record_step(1, 0, 0.012, drafted=False, forwards=2)
+        ctl.record_step(1, 8, 0.05)  # right after a plain step: not timed (record_step)
         ctl.record_step(1, 8, 0.02)
     assert model.seconds(1, 0) == pytest.approx(0.006)
     assert model.seconds(1, 8) == pytest.approx(0.02)

@@ -95,7 +95,8 @@ class ControlConfig:
         budget that loses by more than the cells' noise (5-10% on this CPU) would cost speed
         for nothing (budget 32 at batch size 16 costs twice budget 4's step).
     explore_steps: an exploration step's budget holds for this many drafted steps (it
-        included), so the re-measured cell reads several fresh times.
+        included), so the re-measured cell reads several fresh times; one more after a plain
+        step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
     forget_after: a cell last measured this many drafted steps ago or more drops its cost at
         its next measurement (None: ``explore_every``; 0: never), so its fresh times set it
         afresh: a switch moves a cost a tenth of the way (``LatencyConfig.pair_rate``). The
@@ -324,6 +325,7 @@ class BudgetController:
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._profiled_whole = False  # a bucket's row has every candidate measured
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
+        self._after_plain = False  # the last recorded step was a plain one (record_step)
 
     @property
     def auto(self) -> bool:
@@ -411,14 +413,15 @@ class BudgetController:
         (``ControlConfig.hold_steps``)."""
         if not self.auto:
             return self._count(self.config.fixed_budget)
-        self._steps_since_draft = 0
+        after_plain, self._steps_since_draft = self._steps_since_draft > 0, 0
         profiled = self._to_profile(bs)
         if profiled is not None:  # > 0: should_draft takes budget 0's profile steps plain
             return self._count(profiled)
         if not self._plain and self._explores_next():
             self._drafted_steps += 1
             budget = self._stalest(bs, drafted=True)
-            steps = self.config.explore_steps
+            # after a plain step, one step more: the first one's time is not the budget's
+            steps = self.config.explore_steps + after_plain
             self._hold = (budget, bs, steps - 1) if steps > 1 else None
             return self._count(budget)
         hold = self._hold
@@ -677,10 +680,20 @@ class BudgetController:
         (``hold_steps > 1``), is a step that forecast: its extra cost (the ranking and a tree
         one candidate larger) does not depend on the budget it chooses, and recorded it would
         raise the cell of whichever budget is being held above the cells measured by held and
-        exploration steps, pushing the choice off the budget that pays."""
+        exploration steps, pushing the choice off the budget that pays. Nor is the first
+        drafted step after a plain one: its drafter catches up on the plain forwards' context
+        (at batch size 16 on CPU through SGLang, +10-30% on the step), a cost of the plain run,
+        not of its budget; the start-up profile's round robin put budget 4 after every plain
+        step, so its cell read that cost as its own (34.4 ms where its held steps take 25.7, at
+        0.97x budget 8's cell for a true 0.85x), and auto, never choosing nor exploring it at
+        batch size 16 again, held budget 8 at 0.90x budget 4's tokens/s. Budget 0's cell
+        leaves that catch-up out: plain runs look a little cheaper than they are."""
+        after_plain, self._after_plain = self._after_plain, not drafted
         if self.latency is None or (budget == 0 and drafted):
             return
         if forecast and self.config.hold_steps > 1:
+            return
+        if drafted and after_plain:
             return
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
