@@ -62,7 +62,10 @@ HOLD_STEPS = 8
 CHOICE_DECAY = 0.5
 # Auto: plain steps after a forecast that prefers them while drafting pays on average
 # (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
-# 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8.
+# 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8 when added
+# (2026-11-26); with today's choice (averaged forecasts, 1% margin; 2026-11-28, `budget_sim.py
+# --prompts 64 --policies fixed:4 fixed:8 fixed:16 fixed:32 auto auto:hard=0`) 0.987 / 0.987 /
+# 0.975 / 1.011x without them against 0.990 / 0.988 / 0.984 / 1.020x with them.
 HARD_PLAIN_STEPS = 1
 # Auto: the long-run average of what drafting pays (ControlConfig.plain_long_decay), a window of
 # ~200 drafted steps beside the recent one's ~20: a plain run starts only when neither pays. On
