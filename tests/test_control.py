@@ -1132,7 +1132,6 @@ def test_a_plain_steps_time_is_recorded_per_forward():
     ctl = BudgetController(ControlConfig(budgets=budgets), model, max_slots=1)
     for _ in range(3):
         ctl.record_step(1, 0, 0.012, drafted=False, forwards=2)
-        ctl.record_step(1, 8, 0.05)  # right after a plain step: not timed (record_step)
         ctl.record_step(1, 8, 0.02)
     assert model.seconds(1, 0) == pytest.approx(0.006)
     assert model.seconds(1, 8) == pytest.approx(0.02)

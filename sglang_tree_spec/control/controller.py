@@ -325,7 +325,7 @@ class BudgetController:
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._profiled_whole = False  # a bucket's row has every candidate measured
         self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
-        self._after_plain = False  # the last recorded step was a plain one (record_step)
+        self._after_plain = False  # this drafted step follows a plain one (record_step)
 
     @property
     def auto(self) -> bool:
@@ -414,6 +414,7 @@ class BudgetController:
         if not self.auto:
             return self._count(self.config.fixed_budget)
         after_plain, self._steps_since_draft = self._steps_since_draft > 0, 0
+        self._after_plain = after_plain  # its time is not its budget's alone (record_step)
         profiled = self._to_profile(bs)
         if profiled is not None:  # > 0: should_draft takes budget 0's profile steps plain
             return self._count(profiled)
@@ -688,13 +689,12 @@ class BudgetController:
         0.97x budget 8's cell for a true 0.85x), and auto, never choosing nor exploring it at
         batch size 16 again, held budget 8 at 0.90x budget 4's tokens/s. Budget 0's cell
         leaves that catch-up out: plain runs look a little cheaper than they are."""
-        after_plain, self._after_plain = self._after_plain, not drafted
         if self.latency is None or (budget == 0 and drafted):
             return
         if forecast and self.config.hold_steps > 1:
             return
-        if drafted and after_plain:
-            return
+        if drafted and self._after_plain:  # (set by held_budget: a time dropped between
+            return  # a plain step and this one does not hide that it came after one)
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
         after = self.config.forget_after
