@@ -795,8 +795,9 @@ def test_after_one_whole_profile_a_bucket_profiles_its_contenders_alone():
     ``explore_margin`` of the best: round robin, then the model's choice."""
     ctl = roofline_controller(profile_steps=2, explore_margin=0.15)
     cost = {0: 0.010, 4: 0.012, 8: 0.013, 16: 0.015, 32: 0.020, 64: 0.030}  # per forward
-    for _ in range(2 * (len(cost) + 1)):  # batch size 1: every candidate, twice (and budget
-        budget, drafted = step_budget(ctl, 1, None)  # 4 once more a round: after plain)
+    # batch size 1: every candidate, twice (budget 4 once more a round: after the plain step)
+    for _ in range(2 * (len(cost) + 1)):
+        budget, drafted = step_budget(ctl, 1, None)
         ctl.record_step(1, budget, cost[budget], drafted)
     assert ctl.latency.count[0] == [2] * len(cost)
     tree = strong_or_useless_tree(2, strong=True)
