@@ -26,7 +26,9 @@
 # every SAVE_EVERY steps in $WORK/train-long). INIT_FROM=<drafter dir> starts the run from that
 # drafter's weights (e.g. the shipped one, sglang_tree_spec/assets/smollm2-135m-instruct-dflash)
 # instead of a random init, with a fresh optimizer and schedule (peak learning rate LR, 2e-3 by
-# default; a lower one keeps more of what the drafter it starts from learnt).
+# default; a lower one keeps more of what the drafter it starts from learnt). INIT_FROM_TARGET=1
+# starts the drafter's two layers as copies of the target's layers 28 and 29, the ones after its
+# last feature layer (27), instead of a random init (`train-drafter --init-from-target`).
 #
 #   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
 #
@@ -79,6 +81,7 @@ case "$recipe" in
     if [ -n "${MAX_MINUTES:-}" ]; then extra+=(--max-minutes "$MAX_MINUTES"); fi
     if [ -n "${STOP_ACC:-}" ]; then extra+=(--stop-heldout-acc "$STOP_ACC"); fi
     if [ -n "${INIT_FROM:-}" ]; then extra+=(--init-from "$INIT_FROM"); fi
+    if [ -n "${INIT_FROM_TARGET:-}" ]; then extra+=(--init-from-target); fi
     if [ -n "${REFERENCE:-}" ]; then extra+=(--teacher-labels); fi
     ;;
   *)

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from sglang_tree_spec.drafters import DFlashDrafter
+from sglang_tree_spec.drafters.dflash import _apply_rope
 from sglang_tree_spec.models import train_dflash as train_module
 from sglang_tree_spec.models.train_dflash import (
     TRAINER_STATE_NAME,
@@ -264,3 +265,92 @@ def test_init_from_starts_a_fresh_run_from_a_drafters_weights(target_dir, tmp_pa
 
     with pytest.raises(ValueError, match="num_layers=1"):
         train_dflash(train_config(target_dir, tmp_path / "x", num_layers=2, init_from=str(trained)))
+
+
+def deep_target(kind: str):
+    """A 4-layer random target: Qwen3 (per-head query/key norms) or Llama (none)."""
+    sizes = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+    config = Qwen3Config(**sizes) if kind == "qwen3" else LlamaConfig(**sizes)
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_init_from_target_copies_the_layer_after_the_last_feature_layer(kind):
+    """The drafter's one layer starts as target layer 3 (its feature layer is 2): its context
+    keys and values are that layer's own on the target's hidden states, its weights and final
+    norm the target's; a Llama target's missing per-head norms keep its keys' scale."""
+    target = deep_target(kind)
+    drafter = DFlashDrafter.random_init(target.config, num_layers=1)
+    assert drafter.target_layer_ids == [2]
+    ids = torch.tensor(periodic_sequences(1, 24, seed=3)[0])
+    assert train_module.init_from_target_layers(drafter, target, ids) == [3]
+
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states
+        layer = target.model.layers[3]
+        x = layer.input_layernorm(states[3])  # the output of layer 2 = the input of layer 3
+        key, value = drafter.context_kv(
+            drafter.target_hidden_features(states), torch.arange(len(ids))[None]
+        )[0]
+        attn = layer.self_attn
+        expected_v = attn.v_proj(x).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
+        torch.testing.assert_close(value, expected_v)
+        raw_k = attn.k_proj(x).view(1, len(ids), -1, attn.head_dim)
+        if kind == "qwen3":
+            cos, sin = drafter.rope(torch.arange(len(ids))[None])
+            expected_k = _apply_rope(attn.k_norm(raw_k).transpose(1, 2), cos, sin)
+            torch.testing.assert_close(key, expected_k)
+        else:  # RoPE keeps norms: the keys' mean per-head RMS is the target's
+            rms = key.pow(2).mean(-1).sqrt().mean()
+            torch.testing.assert_close(rms, raw_k.pow(2).mean(-1).sqrt().mean())
+    draft = drafter.layers[0]
+    torch.testing.assert_close(draft.mlp.down_proj.weight, layer.mlp.down_proj.weight)
+    torch.testing.assert_close(draft.self_attn.o_proj.weight, attn.o_proj.weight)
+    torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)
+
+
+def test_init_from_target_needs_layers_after_the_feature_layer_and_one_starting_point(
+    target_dir, tmp_path
+):
+    """Training from the target's layers starts there (lr 0 keeps them); a drafter whose layers
+    would run past the target's last layer, or a run asking for two starting points, fails."""
+    deep_dir = tmp_path / "deep"
+    deep = deep_target("llama")
+    deep.save_pretrained(deep_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"input_ids": ids}) for ids in periodic_sequences(4, 32, 5))
+    )
+    parser = argparse.ArgumentParser()
+    add_train_drafter_args(parser)
+    out = tmp_path / "from-target"
+    args = parser.parse_args(
+        [
+            *("--target", str(deep_dir), "--out", str(out), "--data", str(data)),
+            *("--block-size", "4", "--steps", "2", "--batch-size", "2", "--seq-len", "24"),
+            *("--lr", "0", "--device", "cpu", "--init-from-target"),
+        ]
+    )
+    assert run_train_drafter(args) == 0
+    saved = load_file(str(out / "model.safetensors"))
+    torch.testing.assert_close(
+        saved["layers.0.mlp.up_proj.weight"], deep.model.layers[3].mlp.up_proj.weight
+    )
+    with pytest.raises(ValueError, match="init_from_target copies target layers"):
+        train_dflash(train_config(target_dir, tmp_path / "a", steps=1, init_from_target=True))
+    with pytest.raises(ValueError, match="pick one"):
+        train_dflash(
+            train_config(
+                target_dir, tmp_path / "b", steps=1, init_from=str(tmp_path), init_from_target=True
+            )
+        )

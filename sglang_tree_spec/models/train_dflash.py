@@ -91,6 +91,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (and save) after this much training time
     stop_heldout_acc: float | None = None  # stop (and save) once held-out slot-1 acc >= this
     init_from: str | None = None  # a fresh run starts from this drafter's weights (not random)
+    init_from_target: bool = False  # a fresh run's layers start as the target's (not random)
     teacher_labels: bool = False  # label = the cached target's greedy choice (block_labels)
 
 
@@ -502,6 +503,58 @@ def _load_or_init(
     return drafter, optimizer, step
 
 
+@torch.no_grad()
+def init_from_target_layers(
+    drafter: DFlashDrafter, target: PreTrainedModel, sample_ids: torch.Tensor
+) -> list[int]:
+    """Start ``drafter``'s layers as copies of the target's decoder layers right after its last
+    feature layer (whose output they read as their input); returns the copied layers' indices.
+
+    Draft layer ``i`` takes target layer ``last + 1 + i``'s projections, MLP and norms; ``fc``
+    passes the last feature layer through (identity on its slice, zero elsewhere) and
+    ``hidden_norm`` is the first copied layer's input norm, so that layer's context keys and
+    values are the target's own; the final norm is the target's. A target without per-head
+    query/key norms (Llama) gets them filled with the per-head RMS of its queries and keys on
+    ``sample_ids [T]`` (a training record), so the attention logits keep their scale. Biases
+    (Qwen2's q/k/v) are not copied: the drafter has none. The block's queries still start from
+    token embeddings, not the target's hidden states, so this is a start, not the target's
+    function: on SmolLM2 it doubled held-out slot-1 acceptance after 300 steps.
+    """
+    layers = target.get_decoder().layers
+    last = drafter.target_layer_ids[-1]
+    sources = list(range(last + 1, last + 1 + len(drafter.layers)))
+    if sources[-1] >= len(layers):
+        raise ValueError(
+            f"init_from_target copies target layers {sources} after the last feature layer "
+            f"{last}; the target has {len(layers)}"
+        )
+    hidden = drafter.config.hidden_size
+    drafter.fc.weight.zero_()
+    slice_start = (len(drafter.target_layer_ids) - 1) * hidden
+    drafter.fc.weight[:, slice_start : slice_start + hidden] = torch.eye(hidden)
+    drafter.hidden_norm.weight.copy_(layers[sources[0]].input_layernorm.weight)
+    drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    device = next(target.parameters()).device
+    states = target(sample_ids[None].to(device), output_hidden_states=True).hidden_states
+    for draft, index in zip(drafter.layers, sources, strict=True):
+        source = layers[index]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(draft.self_attn, name).weight.copy_(getattr(source.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(draft.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+        draft.input_layernorm.weight.copy_(source.input_layernorm.weight)
+        draft.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+        x = source.input_layernorm(states[index][0].to(source.input_layernorm.weight.dtype))
+        for norm, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+            if hasattr(source.self_attn, norm):
+                getattr(draft.self_attn, norm).weight.copy_(getattr(source.self_attn, norm).weight)
+            else:
+                heads = getattr(source.self_attn, proj)(x).view(-1, draft.self_attn.head_dim)
+                rms = heads.float().pow(2).mean(-1).sqrt().mean()
+                getattr(draft.self_attn, norm).weight.fill_(float(rms))
+    return sources
+
+
 def save_checkpoint(
     drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig
 ) -> None:
@@ -701,6 +754,8 @@ def train_dflash(cfg: TrainConfig) -> Path:
         raise FileNotFoundError(f"training data {cfg.data} does not exist")
     if cfg.stop_heldout_acc is not None and cfg.heldout_records == 0:
         raise ValueError("stop_heldout_acc needs heldout_records > 0")
+    if cfg.init_from and cfg.init_from_target:
+        raise ValueError("init_from and init_from_target are two starting points: pick one")
     if cfg.teacher_labels and not (cfg.feature_cache and cfg.cache_topk >= 1):
         raise ValueError("teacher_labels needs a feature_cache with cache_topk >= 1")
     device = resolve_device(cfg.device)
@@ -709,6 +764,9 @@ def train_dflash(cfg: TrainConfig) -> Path:
     target = load_target(cfg.target, device)
     drafter, optimizer, start = _load_or_init(cfg, target, device)
     sequences, heldout_records, cache = _prepare_data(cfg, drafter, target)
+    if cfg.init_from_target and start == 0:
+        copied = init_from_target_layers(drafter, target, sequences[0][0][: cfg.seq_len])
+        tqdm.write(f"drafter layers initialised from target layers {copied}")
     heldout = None
     if heldout_records:
         heldout = prepare_heldout(
@@ -884,6 +942,12 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         help="start a fresh run from this drafter's weights (e.g. the shipped one) instead of "
         "a random init; the optimizer and schedule start anew",
     )
+    parser.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start a fresh run's layers as copies of the target's layers after its last "
+        "feature layer (fc passes that layer through) instead of a random init",
+    )
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
@@ -917,6 +981,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
         stop_heldout_acc=args.stop_heldout_acc,
         init_from=args.init_from,
+        init_from_target=args.init_from_target,
         teacher_labels=args.teacher_labels,
     )
     print(train_dflash(cfg))
