@@ -28,20 +28,20 @@ from sglang_tree_spec.models.train_dflash import (
 VOCAB = 128
 BLOCK = 4
 PERIOD = 16
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
+    config = Qwen3Config(num_hidden_layers=2, **TINY)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("target")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -269,17 +269,7 @@ def test_init_from_starts_a_fresh_run_from_a_drafters_weights(target_dir, tmp_pa
 
 def deep_target(kind: str):
     """A 4-layer random target: Qwen3 (per-head query/key norms) or Llama (none)."""
-    sizes = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
-    config = Qwen3Config(**sizes) if kind == "qwen3" else LlamaConfig(**sizes)
+    config = (Qwen3Config if kind == "qwen3" else LlamaConfig)(num_hidden_layers=4, **TINY)
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config).eval()
 
