@@ -518,7 +518,8 @@ def init_from_target_layers(
     ``sample_ids [T]`` (a training record), so the attention logits keep their scale. Biases
     (Qwen2's q/k/v) are not copied: the drafter has none. The block's queries still start from
     token embeddings, not the target's hidden states, so this is a start, not the target's
-    function: on SmolLM2 it doubled held-out slot-1 acceptance after 300 steps.
+    function: on SmolLM2 it doubled held-out slot-1 acceptance after 300 steps on 303 records
+    (0.168 against 0.076 from a random init).
     """
     layers = target.get_decoder().layers
     last = drafter.target_layer_ids[-1]
