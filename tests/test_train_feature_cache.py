@@ -172,6 +172,31 @@ def test_cache_build_resumes_after_interruption_and_is_reused(target, target_dir
     assert other.calls == 2  # other records: rebuilt
 
 
+def test_cache_of_a_prefix_is_extended_with_appended_records(target, target_dir, tmp_path):
+    data = records(7, 20, seed=3)
+    straight = build_feature_cache(
+        tmp_path / "a", data, target, str(target_dir), [1], topk=2, batch_size=2
+    )
+    build_feature_cache(tmp_path / "b", data[:4], target, str(target_dir), [1], topk=2)
+    extending = CountingTarget(target)
+    extended = build_feature_cache(
+        tmp_path / "b", data, extending, str(target_dir), [1], topk=2, batch_size=2
+    )
+    assert extending.calls == 2  # records 4..6 only
+    for name in (cache_module.FEATURES_NAME, cache_module.TOPK_NAME):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert extended.offsets == straight.offsets
+    again = CountingTarget(target)
+    build_feature_cache(tmp_path / "b", data, again, str(target_dir), [1], topk=2, batch_size=2)
+    assert again.calls == 0  # the extended cache is the whole data's
+
+    changed = [data[1], data[0], *data[2:]]  # same records, another order: not a prefix
+    build_feature_cache(tmp_path / "c", data[:4], target, str(target_dir), [1], topk=2)
+    rebuilt = CountingTarget(target)
+    build_feature_cache(tmp_path / "c", changed, rebuilt, str(target_dir), [1], 2, batch_size=2)
+    assert rebuilt.calls == 4  # all 7 records
+
+
 # ---------------------------------------------------------------------------------------------
 # Shortlist loss
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ Layout of a cache directory:
 - ``meta.json``: the fingerprint (target, layer ids, top-k, records) and the offsets;
 - ``progress.json``: records and tokens written so far. Building is resumable: an interrupted
   build truncates both files to the last committed record and continues; a finished cache
-  whose fingerprint matches is reused as it is; any other cache in the directory is rebuilt.
+  whose fingerprint matches is reused as it is, one built for a prefix of the records (data
+  appended since, e.g. by a resumed ``models regen-data``) is extended with the new records,
+  and any other cache in the directory is rebuilt.
 
 Size: ``2 * F + 4 * topk`` bytes per token (SmolLM2-135M, 2 draft layers: F = 1152, topk 8 ->
 2,336 bytes per token).
@@ -163,13 +165,13 @@ def build_feature_cache(
     meta_path, progress_path = path / META_NAME, path / PROGRESS_NAME
     if meta_path.exists() and progress_path.exists():
         old = json.loads(meta_path.read_text())
-        if old.get("fingerprint") == meta["fingerprint"]:
+        if _holds_prefix(old, records, meta, target_dir, layer_ids, topk):
             done_records = int(json.loads(progress_path.read_text())["records"])
     if done_records == 0:
         for name in (PROGRESS_NAME, FEATURES_NAME, TOPK_NAME):
             (path / name).unlink(missing_ok=True)
-        _write_json(meta_path, meta)
-        _write_json(progress_path, {"records": 0, "tokens": 0})
+    _write_json(meta_path, meta)
+    _write_json(progress_path, {"records": done_records, "tokens": offsets[done_records]})
     files = [(FEATURES_NAME, 2 * feature_dim)] + ([(TOPK_NAME, 4 * topk)] if topk else [])
     for name, row_bytes in files:  # drop rows written after the last committed record
         with (path / name).open("ab") as handle:
@@ -177,6 +179,27 @@ def build_feature_cache(
     if done_records < len(records):
         _append_records(path, records, offsets, done_records, target, layer_ids, topk, batch_size)
     return FeatureCache(path, offsets, feature_dim, topk, list(layer_ids))
+
+
+def _holds_prefix(
+    old: dict,
+    records: Sequence[Record],
+    meta: dict,
+    target_dir: str,
+    layer_ids: Sequence[int],
+    topk: int,
+) -> bool:
+    """Whether the cache described by ``old`` (its meta) was built for ``records`` or for a
+    prefix of them (records appended to the data since: the cached rows stay, the new records
+    are computed). Same target, layers and top-k are part of both fingerprints."""
+    if old.get("fingerprint") == meta["fingerprint"]:
+        return True
+    count = old.get("records")
+    if old.get("format") != meta["format"] or not isinstance(count, int):
+        return False
+    if not 0 < count < len(records):
+        return False
+    return old.get("fingerprint") == _fingerprint(records[:count], target_dir, layer_ids, topk)
 
 
 def _exact_topk(final: torch.Tensor, head: nn.Module, topk: int) -> torch.Tensor:
