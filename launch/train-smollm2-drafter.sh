@@ -6,8 +6,9 @@
 #
 #   bash launch/setup-dev.sh && bash launch/train-smollm2-drafter.sh
 #
-# The defaults replay the run that made the shipped drafter
-# (sglang_tree_spec/assets/smollm2-135m-instruct-dflash, see its BUILD.json), on a shared 2-core
+# The defaults replay the run that made the drafter shipped until commit 1b5b8b5 (the shipped one,
+# sglang_tree_spec/assets/smollm2-135m-instruct-dflash, was made in two stages with RECIPE=long:
+# INIT_FROM_TARGET, then MORE; see below and its BUILD.json), on a shared 2-core
 # CPU in about 1.5 hours: regeneration was stopped after 576 + 512 prompts of its two shards
 # (MAX_PROMPTS, per shard), and training ran in STAGES, each `total:batch:anchors:stop` (the
 # cosine schedule spans `total` steps; the run resumes from its checkpoint and stops at `stop`):
@@ -31,6 +32,15 @@
 # last feature layer (27), instead of a random init (`train-drafter --init-from-target`).
 #
 #   RECIPE=long MAX_MINUTES=240 STOP_ACC=0.6 bash launch/train-smollm2-drafter.sh
+#
+# MORE="CODE CHAT MATH" (long recipe) regenerates further training items: the first CODE / CHAT /
+# MATH items of each domain's pool that data.jsonl does not hold, appended after it (the held-out
+# records, the last ones, are then new ones). The shipped drafter's stage 2 (its BUILD.json) was
+# MORE="2400 240 240" from stage 1's drafter (the assets folder at commit 9e100a0) at LR=1e-3,
+# 1250 steps, seed 1 (26 min; 16 min of generation):
+#
+#   RECIPE=long MORE="2400 240 240" INIT_FROM=<stage 1's drafter> \
+#     LR=1e-3 STEPS=1250 FULL_LOSS_STEPS=0 EVAL_EVERY=100 bash launch/train-smollm2-drafter.sh
 #
 # REFERENCE="CODE CHAT MATH" (long recipe) adds that many training items per domain as their
 # reference conversations (`models regen-data --reference`: the stdlib function, the ShareGPT
@@ -118,13 +128,42 @@ print(json.dumps(summary))
 EOF
 
 data=$work/data.jsonl
+if [ -n "${MORE:-}" ]; then
+  # More regenerated records, appended after data.jsonl (first of each id): the cached features
+  # of data.jsonl are a prefix of the new data's, so the cache is extended, not rebuilt.
+  read -r more_code more_chat more_math <<< "$MORE"
+  pids=()
+  for ((i = 0; i < shards; i++)); do
+    "${cli[@]}" models regen-data --target "$target" --out "$work/more.$i-of-$shards.jsonl" \
+      --code "$more_code" --math "$more_math" --chat "$more_chat" --max-prompt-tokens 384 \
+      --max-new-tokens 96 --batch-size 32 --threads 1 --shard "$i/$shards" \
+      --skip-ids-from "$work/data.jsonl" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  "$python" - "$work/data-more.jsonl" "$work/data.jsonl" "$work"/more.*-of-"$shards".jsonl <<'EOF'
+import json
+import sys
+
+seen = set()
+with open(sys.argv[1], "w") as out:
+    for name in sys.argv[2:]:
+        for line in open(name):
+            if line.strip() and json.loads(line)["id"] not in seen:
+                seen.add(json.loads(line)["id"])
+                out.write(line.rstrip("\n") + "\n")
+print(f"{len(seen)} records in {sys.argv[1]}")
+EOF
+  data=$work/data-more.jsonl
+fi
+vocab_data=$data
 if [ -n "${REFERENCE:-}" ]; then
   read -r ref_code ref_chat ref_math <<< "$REFERENCE"
   "${cli[@]}" models regen-data --target "$target" --out "$work/reference.jsonl" --reference \
     --code "$ref_code" --chat "$ref_chat" --math "$ref_math" --max-prompt-tokens 768 \
-    --max-new-tokens 256 --skip-ids-from "$work/data.jsonl"
+    --max-new-tokens 256 --skip-ids-from "$data"
   # reference records first: the held-out records (the last ones) stay regenerated ones
-  cat "$work/reference.jsonl" "$work/data.jsonl" > "$work/data-reference.jsonl"
+  cat "$work/reference.jsonl" "$data" > "$work/data-reference.jsonl"
   data=$work/data-reference.jsonl
 fi
 
@@ -151,7 +190,7 @@ cp "$train/train_log.jsonl" "$work/data.jsonl.meta.json" "$out/"
 # ids by frequency, then the lowest unseen ids.
 vocab=$("$python" -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
   "$target/config.json")
-"$python" -m sglang_tree_spec.models.token_map --data "$work/data.jsonl" --vocab-size "$vocab" \
+"$python" -m sglang_tree_spec.models.token_map --data "$vocab_data" --vocab-size "$vocab" \
   --size 8192 --out "$out/token_map_8192.pt"
 echo "drafter: $out"
 sha256sum "$out/model.safetensors"
