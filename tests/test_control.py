@@ -193,6 +193,26 @@ def test_one_unlucky_step_does_not_cut_a_new_requests_predictions():
     assert cal.request_scale(torch.tensor([1])).item() == 1.0  # another slot: untouched
 
 
+def test_a_depth_without_history_reads_the_factor_of_the_depth_above():
+    """A depth the verified trees rarely reach keeps the factor of the depths above it, not
+    1 (the drafter's marginals at face value); a depth with history converges to its own ratio;
+    the closed form equals the recurrence s_d = (O_d + c s_{d-1}) / (M_d + c)."""
+    cal = AcceptCalibrator(max_slots=1, max_depth=4, config=CalibrationConfig(depth_decay=1.0))
+    rows = torch.tensor([0])
+    for step in range(200):  # depth-1 node of mass 0.8, accepted on 2 steps in 5; nothing deeper
+        mass = torch.tensor([[0.0, 0.8, 0.0, 0.0, 0.0]])
+        cal.update(rows, mass, torch.tensor([0.8]), torch.tensor([float(step % 5 < 2)]))
+    table = cal.depth_table()
+    assert table[1].item() == pytest.approx(0.5, rel=0.01)
+    assert table[2:].tolist() == pytest.approx([table[1].item()] * 3, rel=1e-5)
+    gen = torch.Generator().manual_seed(3)
+    cal.depth_sums.copy_(torch.rand(2, 5, generator=gen) * torch.tensor([[0, 50, 9, 2, 0.1]]))
+    c, (mass, observed), expected = cal.config.depth_prior, cal.depth_sums, [1.0]
+    for d in range(1, 5):
+        expected.append((observed[d].item() + c * expected[-1]) / (mass[d].item() + c))
+    assert cal.depth_table().tolist() == pytest.approx(expected, rel=1e-5)
+
+
 def test_per_depth_calibration_tracks_depth_acceptance():
     gen = torch.Generator().manual_seed(5)
     bs, depth, vocab, budget = 8, 5, 4, 8
