@@ -148,9 +148,10 @@ import sys
 seen = set()
 with open(sys.argv[1], "w") as out:
     for name in sys.argv[2:]:
-        for line in open(name):
-            if line.strip() and json.loads(line)["id"] not in seen:
-                seen.add(json.loads(line)["id"])
+        for line in filter(str.strip, open(name)):
+            record_id = json.loads(line)["id"]
+            if record_id not in seen:
+                seen.add(record_id)
                 out.write(line.rstrip("\n") + "\n")
 print(f"{len(seen)} records in {sys.argv[1]}")
 EOF
