@@ -193,6 +193,12 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
         # predicted vs observed on the same (calibrated) request-steps
         "predicted_accept": mean("predicted_accept_tokens_total", "calibrated_requests_total"),
         "observed_accept": mean("calibrated_accepted_tokens_total", "calibrated_requests_total"),
+        # the gap's standard error: sqrt(sum of squared weighted errors) / calibrated steps
+        "accept_gap_stderr": (
+            round(delta.get("calibrated_squared_error_total", 0.0) ** 0.5 / calibrated, 3)
+            if (calibrated := delta.get("calibrated_requests_total"))
+            else None
+        ),
         "verified_requests": int(delta.get("verified_requests_total", 0)),
         "step_time_error": mean("step_time_abs_rel_error_total", "timed_steps_total"),
         "step_time_predicted_over_measured": mean(
@@ -357,8 +363,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "interleaved across configurations (tok/s over all of them). `x none`: ratio "
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
-        "predicted vs observed accept length over the calibrated request-steps (n: verified "
-        "request-steps); C err: latency "
+        "predicted vs observed accept length over the calibrated request-steps, +- the 95% "
+        "interval of their gap (n: verified request-steps); C err: latency "
         "model's mean |step-time error| per step (and its predicted / measured total time "
         "over the round).",
         "",
@@ -372,7 +378,9 @@ def markdown(rows: list[dict], env: dict) -> str:
         c = r["control"]
         ratio = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
         pred_obs = (
-            f"{c['predicted_accept']:.2f}/{c['observed_accept']:.2f} (n {c['verified_requests']})"
+            f"{c['predicted_accept']:.2f}/{c['observed_accept']:.2f}"
+            + (f" +-{1.96 * se:.2f}" if (se := c.get("accept_gap_stderr")) is not None else "")
+            + f" (n {c['verified_requests']})"  # (results before v25: no interval)
             if c["predicted_accept"] is not None
             else "-"
         )

@@ -745,6 +745,44 @@ def test_predicted_and_observed_accept_are_compared_on_the_same_calibrated_steps
     assert stats.request_steps == 50 * hold * bs and stats.mean_observed_accept == 4.0
 
 
+def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
+    """Each calibrated request-step adds (weight x (predicted - accepted))^2, a held step
+    sampled one in ``held_observe_every`` counting for that many: the standard error of the
+    mean gap is the square root of the sum over the calibrated request-steps (so a 10% gap
+    over a few dozen request-steps reads as noise, over thousands as a bias)."""
+    budgets, bs, hold, every = (0, 4, 8), 3, 3, 2
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
+    config = ControlConfig(budgets=budgets, hold_steps=hold, held_observe_every=every)
+    ctl = BudgetController(config, flat, max_slots=bs)
+    tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
+    coins = torch.Generator().manual_seed(3)
+    squared, steps, held_seen = 0.0, 0, 0
+    for _ in range(20):
+        assert ctl.held_budget(bs) is None
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        budget = ctl.choose(fc, bs)
+        accept = torch.randint(0, 4, (bs,), generator=coins)
+        predicted = fc.accept[:, budgets.index(budget)]  # what the step is compared with
+        squared, steps = squared + (predicted - accept).square().sum().item(), steps + bs
+        ctl.observe(fc, budget, accept)
+        for _ in range(hold - 1):
+            held = top_nodes(tree, ctl.held_budget(bs))
+            # its prediction now: the same nodes, the calibration as it stands
+            now = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+            predicted = now.accept[:, budgets.index(ctl.last_budget)]
+            accept = torch.randint(0, 4, (bs,), generator=coins)
+            held_seen += 1
+            if held_seen % every == 0:  # sampled: counts for ``every`` steps
+                error = (every * (predicted - accept)).square().sum().item()
+                squared, steps = squared + error, steps + every * bs
+            ctl.observe_committed(ctl.last_budget, accept)
+            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
+    stats = ctl.stats()
+    assert stats.calibrated_request_steps == steps
+    assert stats.calibration_squared_error == pytest.approx(squared, rel=1e-5)
+    assert stats.accept_gap_stderr == pytest.approx(squared**0.5 / steps, rel=1e-5)
+
+
 def test_choice_shrinks_at_a_compute_bound_batch():
     lp, tok = random_marginals(1, 15, 16, 64, seed=11, sharpness=4.0)
     chosen = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -42,6 +44,16 @@ def test_publish_exports_the_cumulative_stats_once():
     assert abs(samples["step_time_abs_rel_error_total"] - 2.0) < 1e-9  # 0.2 over 10 steps
     assert samples["step_time_predicted_seconds_total"] == pytest.approx(0.11)
     assert samples["step_time_measured_seconds_total"] == pytest.approx(0.1)
+
+
+def test_the_calibrations_squared_error_is_a_counter_of_what_is_new():
+    registry = CollectorRegistry()
+    metrics = DDTreeMetrics("tiny", registry)
+    first = stats(8, 2.0, 1.5, 10, {8: 10}, 0.1, 5)
+    metrics.publish(dataclasses.replace(first, calibration_squared_error=9.0))
+    metrics.publish(dataclasses.replace(first, calibration_squared_error=16.0))
+    samples = read_ddtree_metrics(generate_latest(registry).decode())
+    assert samples["calibrated_squared_error_total"] == 16.0
 
 
 def test_counters_are_exported_before_they_count():

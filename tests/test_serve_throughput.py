@@ -68,6 +68,30 @@ def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
     assert "| 10% (1.10) |" in bench.markdown([row], env)
 
 
+def test_round_summary_gives_the_calibration_gap_its_interval():
+    """sqrt(sum of squared weighted errors) / calibrated request-steps: 25 over 100 steps is a
+    standard error of 0.05, shown as the gap's 95% interval, +-0.10."""
+    bench = load_benchmark("serve_throughput")
+    before = {"calibrated_requests_total": 100.0, "calibrated_squared_error_total": 11.0}
+    after = {
+        "calibrated_requests_total": 200.0,
+        "predicted_accept_tokens_total": 50.0,
+        "calibrated_accepted_tokens_total": 40.0,
+        "calibrated_squared_error_total": 36.0,
+        "verified_requests_total": 300.0,
+    }
+    control = bench.control_summary(before, after)
+    assert control["accept_gap_stderr"] == 0.05
+    assert (control["predicted_accept"], control["observed_accept"]) == (0.5, 0.4)
+    row = {"config": "ddtree:auto", "concurrency": 1, "output_tokens_per_s": 1.0, "tau": 1.0,
+           "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "mismatched_outputs": 0,
+           "speedup_vs_none": None, "repeats_tokens_per_s": [1.0],
+           "control": control}  # fmt: skip
+    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+           "command": "c"}  # fmt: skip
+    assert "| 0.50/0.40 +-0.10 (n 300) |" in bench.markdown([row], env)
+
+
 def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_path):
     """One real CPU server (no speculation), one request of 4 tokens: the JSON and markdown
     table are written and the server's log lands in ``--logs`` (the GPU runs carry it back)."""

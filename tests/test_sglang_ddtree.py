@@ -446,6 +446,8 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int], nested: 
     assert 0 <= delta["verified_requests_total"] <= steps
     if delta["predicted_accept_tokens_total"] > 0:
         assert 0 < delta["calibrated_requests_total"] and delta["verified_requests_total"] > 0
+        # a prediction is never exact on every step (its gap's interval: the squared errors)
+        assert delta["calibrated_squared_error_total"] > 0
     if nested and delta["verified_requests_total"] >= step.HELD_OBSERVE_EVERY:
         assert delta["predicted_accept_tokens_total"] > 0
     # step times are periods from one decode step's start to the next: the last step's period

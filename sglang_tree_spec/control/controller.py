@@ -243,6 +243,9 @@ class ControlStats:
             request-steps of the calibrated steps, weighted alike: the sample the prediction
             covers, so predicted / calibrated accepted tokens compares like with like (for a
             grafted tree too, whose prediction covers its forecast steps alone).
+        calibration_squared_error: sum over the calibrated request-steps of (weight x
+            (predicted - accepted))^2, weight the steps each stands for: the variance of the
+            predicted-minus-observed total (:attr:`accept_gap_stderr`).
     """
 
     last_budget: int | None
@@ -257,6 +260,7 @@ class ControlStats:
     latency_measured_seconds: float = 0.0
     calibrated_accepted_tokens: float = 0.0
     calibrated_request_steps: float = 0.0
+    calibration_squared_error: float = 0.0
 
     @property
     def mean_predicted_accept(self) -> float:
@@ -271,6 +275,14 @@ class ControlStats:
     @property
     def mean_observed_accept(self) -> float:
         return self.accepted_tokens / max(self.request_steps, 1)
+
+    @property
+    def accept_gap_stderr(self) -> float:
+        """Standard error of ``mean_predicted_accept - mean_calibrated_accept`` (request-steps
+        taken as independent; the uncentred residuals make it a little wide when the prediction
+        is biased). With few calibrated steps (a server that mostly decodes plainly) a gap of
+        10% can be noise: the 95% interval is +-1.96 of this."""
+        return self.calibration_squared_error**0.5 / max(self.calibrated_request_steps, 1.0)
 
 
 class BudgetController:
@@ -295,10 +307,13 @@ class BudgetController:
         # per request slot: the decayed average of its forecasts' A_i(N), and whether it has one
         self._average_accept = torch.zeros(max_slots, len(config.budgets), device=device)
         self._averaged = torch.zeros(max_slots, dtype=torch.bool, device=device)
-        # draft tokens summed over request-steps: [predicted, accepted] over the calibrated ones
-        # (held steps sampled, weighted), accepted over every drafted one; and their counts
-        self._totals = torch.zeros(3, dtype=torch.float64, device=device)
-        self._predicted, self._calibrated, self._accepted = self._totals.unbind()  # views
+        # draft tokens summed over request-steps: [predicted, accepted, squared weighted error]
+        # over the calibrated ones (held steps sampled, weighted), accepted over every drafted
+        # one; and their counts
+        self._totals = torch.zeros(4, dtype=torch.float64, device=device)
+        self._predicted, self._calibrated, self._squared_error, self._accepted = (
+            self._totals.unbind()  # views
+        )
         self._calibrated_steps = 0.0
         self._request_steps = 0
         self.last_budget: int | None = None
@@ -655,10 +670,12 @@ class BudgetController:
         its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
         calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
+        accepted = accept_len.to(predicted.dtype)
         self._predicted.add_(predicted.sum(), alpha=weight)
-        self._calibrated.add_(accept_len.sum(), alpha=weight)
+        self._calibrated.add_(accepted.sum(), alpha=weight)
+        self._squared_error.add_((predicted - accepted).square_().sum(), alpha=weight * weight)
         self._calibrated_steps += weight * accept_len.numel()
-        self.calibrator.update(rows, mass, depth_cal, accept_len.to(predicted.dtype), weight)
+        self.calibrator.update(rows, mass, depth_cal, accepted, weight)
 
     def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
         """Sync-free: a drafted step's accepted draft tokens (summed over its ``bs``
@@ -721,7 +738,7 @@ class BudgetController:
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""
-        predicted, calibrated, accepted = self._totals.tolist()
+        predicted, calibrated, squared_error, accepted = self._totals.tolist()
         return ControlStats(
             last_budget=self.last_budget,
             predicted_accept_tokens=predicted,
@@ -741,4 +758,5 @@ class BudgetController:
             ),
             calibrated_accepted_tokens=calibrated,
             calibrated_request_steps=self._calibrated_steps,
+            calibration_squared_error=squared_error,
         )

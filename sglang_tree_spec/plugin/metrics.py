@@ -16,6 +16,9 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
   observed ones: predicted / calibrated accepted is the mean predicted / observed accept length
   over any window, on the same steps (a grafted tree, ``--speculative-ddtree-graft``, is not
   a nested DDTree: its held steps do not calibrate, and the sample is its forecast steps).
+* ``sglang:ddtree_calibrated_squared_error_total`` (auto): the sum over those request-steps of
+  (weight x (predicted - accepted))^2; its square root over the calibrated request-steps is the
+  standard error of the mean predicted-minus-observed gap (is a 10% gap noise?).
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total``,
   ``sglang:ddtree_step_time_predicted_seconds_total``,
   ``sglang:ddtree_step_time_measured_seconds_total`` (auto): steps the latency model was
@@ -68,6 +71,10 @@ class DDTreeMetrics:
         self.calibrated = counter(
             "calibrated_accepted_tokens", "DDTREE accepted draft tokens (calibrated steps)"
         )
+        self.squared_error = counter(
+            "calibrated_squared_error",
+            "DDTREE sum of (weight x (predicted - accepted draft tokens))^2 (calibrated steps)",
+        )
         self.timed_steps = counter("timed_steps", "DDTREE steps the latency model was checked on")
         self.latency_error = counter(
             "step_time_abs_rel_error", "DDTREE sum of |predicted - measured| / measured step time"
@@ -84,6 +91,7 @@ class DDTreeMetrics:
             self.calibrated_steps,
             self.predicted,
             self.calibrated,
+            self.squared_error,
             self.timed_steps,
             self.latency_error,
             self.latency_predicted,
@@ -114,6 +122,11 @@ class DDTreeMetrics:
                 self.calibrated,
                 stats.calibrated_accepted_tokens,
                 last.calibrated_accepted_tokens,
+            ),
+            (
+                self.squared_error,
+                stats.calibration_squared_error,
+                last.calibration_squared_error,
             ),
             (self.timed_steps, stats.latency_steps, last.latency_steps),
             (

@@ -424,11 +424,14 @@ def _define_worker() -> type:
             if not self.config.auto:
                 return
             logger.info(
-                "DDTREE budgets over %d steps: %s, accept length predicted %.2f observed %.2f, "
-                "step time model error %.0f%%, at batch size %d (ms) %s",
+                "DDTREE budgets over %d steps: %s, accept length predicted %.2f observed %.2f "
+                "(+-%.2f, 95%%; all drafted steps %.2f), step time model error %.0f%%, at batch "
+                "size %d (ms) %s",
                 self._steps,
                 stats.budget_counts,
                 stats.mean_predicted_accept,
+                stats.mean_calibrated_accept,
+                1.96 * stats.accept_gap_stderr,
                 stats.mean_observed_accept,
                 100 * stats.latency_mean_abs_rel_error,
                 bs,
