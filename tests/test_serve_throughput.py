@@ -15,6 +15,16 @@ def row(config: str, conc: int, waves: list[float]) -> dict:
     }
 
 
+def auto_line(bench, control: dict) -> str:
+    """The markdown table of one ddtree:auto row with the round summary ``control``."""
+    row = {"config": "ddtree:auto", "concurrency": 1, "output_tokens_per_s": 1.0, "tau": 1.0,
+           "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "mismatched_outputs": 0,
+           "speedup_vs_none": None, "repeats_tokens_per_s": [1.0], "control": control}  # fmt: skip
+    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+           "command": "c"}  # fmt: skip
+    return bench.markdown([row], env)
+
+
 def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurrency():
     bench = load_benchmark("serve_throughput")
     rows = [
@@ -59,13 +69,7 @@ def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
     assert control["budget_steps"] == {8: 20}
     assert control["step_time_error"] == 0.1
     assert control["step_time_predicted_over_measured"] == 1.1
-    row = {"config": "ddtree:auto", "concurrency": 1, "output_tokens_per_s": 1.0, "tau": 1.0,
-           "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "mismatched_outputs": 0,
-           "speedup_vs_none": None, "repeats_tokens_per_s": [1.0],
-           "control": control | {"predicted_accept": None}}  # fmt: skip
-    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
-           "command": "c"}  # fmt: skip
-    assert "| 10% (1.10) |" in bench.markdown([row], env)
+    assert "| 10% (1.10) |" in auto_line(bench, control | {"predicted_accept": None})
 
 
 def test_round_summary_gives_the_calibration_gap_its_interval():
@@ -83,13 +87,7 @@ def test_round_summary_gives_the_calibration_gap_its_interval():
     control = bench.control_summary(before, after)
     assert control["accept_gap_stderr"] == 0.05
     assert (control["predicted_accept"], control["observed_accept"]) == (0.5, 0.4)
-    row = {"config": "ddtree:auto", "concurrency": 1, "output_tokens_per_s": 1.0, "tau": 1.0,
-           "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "mismatched_outputs": 0,
-           "speedup_vs_none": None, "repeats_tokens_per_s": [1.0],
-           "control": control}  # fmt: skip
-    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
-           "command": "c"}  # fmt: skip
-    assert "| 0.50/0.40 +-0.10 (n 300) |" in bench.markdown([row], env)
+    assert "| 0.50/0.40 +-0.10 (n 300) |" in auto_line(bench, control)
 
 
 def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_path):
