@@ -182,8 +182,8 @@ def test_one_unlucky_step_does_not_cut_a_new_requests_predictions():
     weak per-request prior (1 token, decay 0.9), requests whose factor had fallen below 0.8
     accepted 1.3-2.5x their predictions (more plain steps chosen than paid); the prior of 16
     tokens keeps one empty step within 15% of 1, while 100 steps at half the prediction still
-    bring the factor near 1/2."""
-    cal = AcceptCalibrator(max_slots=2, max_depth=4)
+    bring the factor near 1/2 (the age factor, pooled over every request, off here)."""
+    cal = AcceptCalibrator(max_slots=2, max_depth=4, config=CalibrationConfig(age_prior=1e9))
     rows, mass = torch.tensor([0]), torch.zeros(1, 5)
     cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([0.0]))
     assert cal.request_scale(rows).item() > 0.85
@@ -191,6 +191,33 @@ def test_one_unlucky_step_does_not_cut_a_new_requests_predictions():
         cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([1.0]))
     assert cal.request_scale(rows).item() < 0.6
     assert cal.request_scale(torch.tensor([1])).item() == 1.0  # another slot: untouched
+
+
+def test_the_age_factor_follows_acceptance_that_falls_through_a_reply():
+    """Every reply accepts a depth-1 node of mass 0.8 with probability 0.72 for its first 10
+    steps and 0.32 after (SmolLM2's drafter at batch size 1 saw its ratio fall through each
+    reply). The pooled depth factors average the two, so without the age factor the
+    predictions run high late in every reply and low early; with it, both stretches' summed
+    predictions land within 10% of what was accepted."""
+    cal = AcceptCalibrator(max_slots=1, max_depth=4)
+    rows, gen = torch.tensor([0]), torch.Generator().manual_seed(0)
+    mass = torch.tensor([[0.0, 0.8, 0.0, 0.0, 0.0]])
+    sums = {"early": [0.0, 0.0], "late": [0.0, 0.0]}  # predicted, accepted
+    for request in range(300):
+        cal.reset(rows)
+        for step in range(30):
+            stretch = "early" if step < 10 else "late"
+            depth_cal = mass @ cal.depth_table()  # [1]
+            predicted = (depth_cal * cal.scale(rows)).item()
+            hit = torch.rand(1, generator=gen).item() < (0.72 if step < 10 else 0.32)
+            cal.update(rows, mass, depth_cal, torch.tensor([float(hit)]))
+            if request >= 100:
+                sums[stretch][0] += predicted
+                sums[stretch][1] += float(hit)
+    for stretch, (predicted, accepted) in sums.items():
+        assert predicted == pytest.approx(accepted, rel=0.1), stretch
+    table = cal.age_table()
+    assert table[0].item() > 1.2 * table[-1].item()
 
 
 def test_a_depth_without_history_reads_the_factor_of_the_depth_above():

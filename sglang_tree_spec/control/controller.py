@@ -201,7 +201,8 @@ class Forecast:
         depths: ``[bs, B]`` their depths.
         weights: ``[bs, B]`` depth-calibrated ranked node probabilities.
         slots: ``[bs, B]`` int64 the ranked nodes' slots in the tree (for :func:`top_nodes`).
-        request_scale: ``[bs]`` per-request calibration factor r_i.
+        request_scale: ``[bs]`` each request's calibration factor, r_i * g_a(i) (its own
+            history's and its age's: :meth:`AcceptCalibrator.scale`).
         accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
         expected: ``[bs, C]`` what the choice reads: each request's decayed average of its
             forecasts' ``accept`` (``ControlConfig.choice_decay``; ``accept`` itself at 0).
@@ -474,7 +475,7 @@ class BudgetController:
         """
         ranked = rank_nodes(logprobs, depths, valid)
         weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
-        scale = self.calibrator.request_scale(rows)  # [bs]
+        scale = self.calibrator.scale(rows)  # [bs]
         accept = prefix_sums_at(weights, self._budgets_t).mul_(scale.unsqueeze(1))
         accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
         expected = self._average(rows, accept)
@@ -660,7 +661,7 @@ class BudgetController:
         cal = self.calibrator
         probs = logprobs.float().exp().masked_fill_(~valid, 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
-        depth_cal, scale = mass @ cal.depth_table(), cal.request_scale(rows)
+        depth_cal, scale = mass @ cal.depth_table(), cal.scale(rows)
         self._learn(rows, mass, depth_cal, scale, accept_len, weight=every)
 
     def _learn(self, rows, mass, depth_cal, scale, accept_len, weight: int = 1) -> None:
