@@ -16,6 +16,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -148,9 +149,29 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     return " ".join([*([f"OMP_WAIT_POLICY={omp}"] if omp else []), "python", script, *args])
 
 
+def code_version() -> str:
+    """The commit of the checkout the benchmark runs from (``+dirty`` when tracked files
+    differ from it), ``unknown`` outside a git checkout: which code a result measured."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
 def environment(device: torch.device | str, dtype: str = "float32") -> dict:
-    """Versions, device, threads and load average at the start of a run."""
+    """Versions, the code's commit, device, threads and load average at the start of a run."""
     return {
+        "code": code_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

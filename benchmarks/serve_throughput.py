@@ -368,7 +368,7 @@ def markdown(rows: list[dict], env: dict) -> str:
         "model's mean |step-time error| per step (and its predicted / measured total time "
         "over the round).",
         "",
-        f"Command: `{env['command']}`",
+        f"Command: `{env['command']}` (code {env.get('code', 'unknown')})",
         "",
         "| config | conc | tok/s | x none | tau | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
         "| mismatch | budgets | pred/obs | C err |",

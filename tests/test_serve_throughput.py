@@ -103,3 +103,26 @@ def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_p
     assert record["rows"][0]["output_tokens_per_s"] > 0
     assert out.is_file() and out.with_suffix(".md").is_file()
     assert "sglang.launch_server" in (logs / "none.log").read_text().splitlines()[0]
+
+
+def test_a_result_names_the_commit_it_measured(monkeypatch):
+    """Every benchmark's environment carries the checkout's commit (results of different code
+    sat side by side in benchmarks/results/ with nothing to tell them apart); the table shows
+    it beside the command, and outside a git checkout it says so."""
+    common = load_benchmark("common")
+    root = common.Path(common.__file__).resolve().parent.parent
+    head = common.subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    code = common.environment("cpu")["code"]
+    assert code in (head, head + "+dirty")
+    env = {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+           "command": "c", "code": code}  # fmt: skip
+    assert f"(code {code})" in load_benchmark("serve_throughput").markdown([], env)
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(common.subprocess, "run", no_git)
+    assert common.code_version() == "unknown"
