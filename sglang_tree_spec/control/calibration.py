@@ -1,8 +1,8 @@
 """Online calibration of the surrogate from acceptance history (DynaTree's history adaptation).
 
 The surrogate sum_u q(u) is the expected accepted length if the TARGET followed the drafter's
-marginals. It does not, so predictions are rescaled toward what verification observes, with two
-ratio estimators, both sync-free tensors updated after every verify:
+marginals. It does not, so predictions are rescaled toward what verification observes, with three
+ratio estimators, all sync-free tensors updated after every calibrated verify:
 
 1. Per depth, pooled over all requests (``[L]``). The expected accepted length decomposes by
    depth, E[accept] = sum_d P(accept >= d), and P(accept >= d) = sum of the target's probability
