@@ -139,16 +139,14 @@ class AcceptCalibrator:
         cfg = self.config
         return (self.ages[rows] // cfg.age_steps).clamp_(max=cfg.age_buckets - 1)
 
-    def age_scale(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[bs]`` g_a for the age of each slot in ``rows`` (``[bs]`` int64)."""
-        c = self.config.age_prior
-        sums = self.age_sums[self._age_buckets(rows)] + c  # [bs, 2]
-        return sums[:, 1] / sums[:, 0]
-
     def age_table(self) -> torch.Tensor:
         """``[A]`` g_a of every age bucket."""
         sums = self.age_sums + self.config.age_prior
         return sums[:, 1] / sums[:, 0]
+
+    def age_scale(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[bs]`` g_a for the age of each slot in ``rows`` (``[bs]`` int64)."""
+        return self.age_table()[self._age_buckets(rows)]
 
     def scale(self, rows: torch.Tensor) -> torch.Tensor:
         """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)."""
@@ -188,7 +186,7 @@ class AcceptCalibrator:
         step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
         self.depth_sums.mul_(cfg.depth_decay**weight).add_(step, alpha=weight)
         buckets = self._age_buckets(rows)  # [bs] the ages the predictions were made at
-        request_factor, age_factor = self.request_scale(rows), self.age_scale(rows)  # [bs] each
+        request_factor, age_factor = self.request_scale(rows), self.age_table()[buckets]  # [bs]
         request = torch.stack([calibrated_pred * age_factor, accept], dim=1)  # [bs, 2]
         age = torch.stack([calibrated_pred * request_factor, accept], dim=1)  # [bs, 2]
         if weight != 1:
