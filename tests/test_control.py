@@ -27,7 +27,6 @@ from sglang_tree_spec.control import (
     top_nodes,
 )
 from sglang_tree_spec.control.latency import bucket_of
-from sglang_tree_spec.control.surrogate import accepted_by_rank
 from sglang_tree_spec.tree import build_ddtree, greedy_accept
 
 FIELDS = ("tokens", "parents", "depths", "logprobs", "valid")
@@ -220,75 +219,6 @@ def test_the_age_factor_follows_acceptance_that_falls_through_a_reply():
         assert predicted == pytest.approx(accepted, rel=0.1), stretch
     table = cal.age_table()
     assert table[0].item() > 1.2 * table[-1].item()
-
-
-def test_the_band_factors_split_the_prediction_between_likely_and_unlikely_nodes():
-    """The drafter puts 0.6 / 0.39 on tokens 0 / 1 at every position, the target 0.75 / 0.2: the
-    token-0 nodes (the likely ones, ranked first) accept more than predicted, the token-1 ones
-    less. Every depth of the 8-node tree mixes both, so the depth factors, fitted on steps
-    verified at 8, make each depth's total right and A(4) 10% low (1.50 for 1.66): the choice
-    between budgets 4 and 8 would read the increment 4 -> 8 as 0.89 tokens where it is 0.72.
-    With a factor per rank band (ranks 0-3, 4-7) both budgets are predicted within 4%."""
-    bs, depth = 4, 15
-    tree = strong_or_useless_tree(bs, strong=True, budget=8)
-    target = torch.full((bs * depth, 8), 0.05 / 6)
-    target[:, 0], target[:, 1] = 0.75, 0.2
-    truth = 0.75 + 0.2 + 0.75**2 + 0.75 * 0.2  # ranks 0-3: nodes 0, 1, 00, 01
-    ctl = BudgetController(
-        ControlConfig(budgets=(0, 4, 8), fixed_budget=8, max_depth=depth), None, max_slots=bs
-    )
-    rows, gen = torch.arange(bs), torch.Generator().manual_seed(0)
-    predicted, accepted = {4: 0.0, 8: 0.0}, {4: 0.0, 8: 0.0}
-    for step in range(1500):
-        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
-        draws = torch.multinomial(target, 1, generator=gen).reshape(bs, depth)
-        result = greedy_accept(tree, factorised_target_argmax(tree, draws))
-        ctl.observe(fc, 8, result.accept_len, result.accepted_slots)
-        if step >= 500:
-            ranks = fc.slots.sort(dim=1).indices  # the rank of every node
-            on_path = accepted_by_rank(result.accepted_slots, ranks)  # [bs, 8] by rank
-            for column, n in ((1, 4), (2, 8)):
-                predicted[n] += fc.accept[:, column].sum().item()
-                accepted[n] += on_path[:, :n].sum().item()
-    assert accepted[4] / 1000 / bs == pytest.approx(truth, rel=0.05)  # the stream is right
-    for n in (4, 8):
-        assert predicted[n] == pytest.approx(accepted[n], rel=0.04), n
-    table = ctl.calibrator.band_table()
-    assert table[0].item() == 1.0 and table[1].item() < 0.9  # the unlikely nodes: over-confident
-
-
-def test_forecast_and_held_steps_see_the_same_accepted_ranks():
-    """A forecast step verifies the forecast's top n nodes (renumbered in slot order), a held
-    step the n-node DDTree itself: both map the accepted path to the same ranks, so the same
-    step teaches the bands the same thing either way; and ``accepted_by_rank`` marks exactly the
-    ranked nodes on the path."""
-    bs, depth, budgets = 3, 6, (0, 4, 8, 16)
-    lp, tok = random_marginals(bs, depth, 16, 32, seed=5, sharpness=2.0)
-    big = build_ddtree(lp, tok, 16)
-    gen = torch.Generator().manual_seed(1)
-    config = ControlConfig(budgets=budgets, max_depth=depth, held_observe_every=1)
-    flat = LatencyModel([[0.01] * len(budgets)] * 2, budgets, bs_buckets=(1, 64))
-    forecasting, holding = (BudgetController(config, flat, max_slots=bs) for _ in range(2))
-    rows = torch.arange(bs)
-    for n in (8, 16, 4, 8):
-        tree = build_ddtree(lp, tok, n)  # what a held step verifies; top_nodes(big, n) too
-        targets = torch.full((bs, n + 1), 99)  # the target's token after each window slot:
-        for b, j in reversed(
-            (tree.valid & (torch.rand(bs, n, generator=gen) < 0.5)).nonzero().tolist()
-        ):
-            targets[b, tree.parents[b, j] + 1] = tree.tokens[b, j]  # one of its children's
-        result = greedy_accept(tree, targets)
-        path = result.accepted_slots  # window slots: node + 1
-        on_path = {(b, int(path[b, d]) - 1) for b, d in (path > 0).nonzero().tolist()}
-        fc = forecasting.forecast(rows, big.logprobs, big.depths, big.valid)
-        ranked = rank_nodes(tree.logprobs, tree.depths, tree.valid)
-        marked = accepted_by_rank(path, ranked.slots.argsort(dim=1))
-        assert {(b, int(ranked.slots[b, j])) for b, j in marked.nonzero().tolist()} == on_path
-        forecasting.observe(fc, n, result.accept_len, path)
-        holding.observe_held(rows, tree.logprobs, tree.depths, tree.valid, result.accept_len, path)
-    band_sums = forecasting.calibrator.band_sums
-    assert band_sums[1:, 1].sum() > 0  # the path reached nodes past rank 4
-    assert torch.allclose(band_sums, holding.calibrator.band_sums, rtol=1e-5)
 
 
 def test_a_depth_without_history_reads_the_factor_of_the_depth_above():
