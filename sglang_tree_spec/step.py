@@ -281,15 +281,13 @@ def decode_step(
         accept, logits = _verify(
             backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
         )
-        path = accept.accepted_slots
-        if forecast is not None:  # a grafted tree's path says nothing of the forecast's ranks
-            ranked_path = path if selector.nested else None
-            controller.observe(forecast, budget, accept.accept_len, ranked_path)
+        if forecast is not None:
+            controller.observe(forecast, budget, accept.accept_len)
         else:
             controller.observe_committed(budget, accept.accept_len)
             if selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate
                 controller.observe_held(
-                    rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len, path
+                    rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len
                 )
         timer.mark("observe")
         forwards = 1

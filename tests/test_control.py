@@ -138,7 +138,7 @@ def run_stream(ctl, tree, target_lp_full, steps, generator, budget):
         result = greedy_accept(sub, factorised_target_argmax(sub, draws))
         preds.append(fc.accept[:, column].clone())
         obs.append(result.accept_len.float())
-        ctl.observe(fc, budget, result.accept_len, result.accepted_slots)
+        ctl.observe(fc, budget, result.accept_len)
     return torch.stack(preds), torch.stack(obs)  # [steps, bs]
 
 
@@ -183,13 +183,12 @@ def test_one_unlucky_step_does_not_cut_a_new_requests_predictions():
     accepted 1.3-2.5x their predictions (more plain steps chosen than paid); the prior of 16
     tokens keeps one empty step within 15% of 1, while 100 steps at half the prediction still
     bring the factor near 1/2 (the age factor, pooled over every request, off here)."""
-    config = CalibrationConfig(age_prior=1e9, depth_prior=1e9)  # s_d = 1: r alone
-    cal = AcceptCalibrator(max_slots=2, max_depth=4, config=config)
-    rows, probs, depths = torch.tensor([0]), torch.tensor([[1.0, 1.0]]), torch.tensor([[1, 2]])
-    cal.update(rows, probs, depths, None, accept=torch.tensor([0.0]))  # predicted 2
+    cal = AcceptCalibrator(max_slots=2, max_depth=4, config=CalibrationConfig(age_prior=1e9))
+    rows, mass = torch.tensor([0]), torch.zeros(1, 5)
+    cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([0.0]))
     assert cal.request_scale(rows).item() > 0.85
     for _ in range(100):
-        cal.update(rows, probs, depths, None, accept=torch.tensor([1.0]))
+        cal.update(rows, mass, calibrated_pred=torch.tensor([2.0]), accept=torch.tensor([1.0]))
     assert cal.request_scale(rows).item() < 0.6
     assert cal.request_scale(torch.tensor([1])).item() == 1.0  # another slot: untouched
 
@@ -202,16 +201,16 @@ def test_the_age_factor_follows_acceptance_that_falls_through_a_reply():
     predictions land within 10% of what was accepted."""
     cal = AcceptCalibrator(max_slots=1, max_depth=4)
     rows, gen = torch.tensor([0]), torch.Generator().manual_seed(0)
-    probs, depths = torch.tensor([[0.8]]), torch.tensor([[1]])
+    mass = torch.tensor([[0.0, 0.8, 0.0, 0.0, 0.0]])
     sums = {"early": [0.0, 0.0], "late": [0.0, 0.0]}  # predicted, accepted
     for request in range(300):
         cal.reset(rows)
         for step in range(30):
             stretch = "early" if step < 10 else "late"
+            depth_cal = mass @ cal.depth_table()  # [1]
+            predicted = (depth_cal * cal.scale(rows)).item()
             hit = torch.rand(1, generator=gen).item() < (0.72 if step < 10 else 0.32)
-            accepted = torch.tensor([[hit]])
-            predicted = cal.update(rows, probs, depths, accepted, torch.tensor([float(hit)]))
-            predicted = predicted.item()
+            cal.update(rows, mass, depth_cal, torch.tensor([float(hit)]))
             if request >= 100:
                 sums[stretch][0] += predicted
                 sums[stretch][1] += float(hit)
@@ -228,10 +227,8 @@ def test_a_depth_without_history_reads_the_factor_of_the_depth_above():
     cal = AcceptCalibrator(max_slots=1, max_depth=4, config=CalibrationConfig(depth_decay=1.0))
     rows = torch.tensor([0])
     for step in range(200):  # depth-1 node of mass 0.8, accepted on 2 steps in 5; nothing deeper
-        hit = step % 5 < 2
-        cal.update(
-            rows, torch.tensor([[0.8]]), torch.tensor([[1]]), None, torch.tensor([float(hit)])
-        )
+        mass = torch.tensor([[0.0, 0.8, 0.0, 0.0, 0.0]])
+        cal.update(rows, mass, torch.tensor([0.8]), torch.tensor([float(step % 5 < 2)]))
     table = cal.depth_table()
     assert table[1].item() == pytest.approx(0.5, rel=0.01)
     assert table[2:].tolist() == pytest.approx([table[1].item()] * 3, rel=1e-5)
@@ -377,28 +374,6 @@ def strong_or_useless_tree(bs: int, strong: bool, budget: int = 64):
     lp[..., 2:] -= torch.arange(2, k).float()  # sorted descending
     tok = torch.arange(k).expand(bs, depth, k)
     return build_ddtree(lp, tok, budget)
-
-
-def chain_tree(bs: int, budget: int):
-    """A ``budget``-deep chain: one likely token per position (0.9), the others ~1e-9."""
-    lp = torch.full((bs, 15, 2), -20.0)
-    lp[..., 0] = math.log(0.9)
-    return build_ddtree(lp, torch.arange(2).expand(bs, 15, 2), budget)
-
-
-def path_of(tree, accept_len: torch.Tensor) -> torch.Tensor:
-    """``[bs, L + 1]`` accepted window slots (root first, -1 after) of a path down each
-    request's best node at every depth (its first child in slot order), ``accept_len[b]``
-    nodes long."""
-    path = torch.full((tree.batch_size, tree.max_depth + 1), -1, dtype=torch.long)
-    path[:, 0] = 0
-    for b, length in enumerate(accept_len.tolist()):
-        node = -1
-        for depth in range(1, length + 1):
-            children = (tree.parents[b] == node) & tree.valid[b]
-            node = int(children.nonzero()[0])  # IndexError: the tree is not that deep
-            path[b, depth] = node + 1
-    return path
 
 
 def roofline_controller(budgets=(0, 4, 8, 16, 32, 64), **kwargs):
@@ -756,19 +731,17 @@ def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
         budgets=budgets, hold_steps=hold, max_depth=15, held_observe_every=observe_every
     )
     ctl = BudgetController(config, flat, max_slots=bs)
-    tree, rows = chain_tree(bs, budget=8), torch.arange(bs)
+    tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
     for _ in range(100):
         assert ctl.held_budget(bs) is None
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
         budget = ctl.choose(fc, bs)
-        nothing = torch.zeros(bs, dtype=torch.long)
-        ctl.observe(fc, budget, nothing, path_of(top_nodes(tree, budget), nothing))
+        ctl.observe(fc, budget, torch.zeros(bs, dtype=torch.long))
         for tokens in (1, 2, 6):  # hold - 1 held steps
             held = top_nodes(tree, ctl.held_budget(bs))
             accept = torch.full((bs,), tokens, dtype=torch.long)
             ctl.observe_committed(ctl.last_budget, accept)  # as decode_step: both, in order
-            path = path_of(held, accept)
-            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept, path)
+            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
     column = budgets.index(budget)
     assert fc.accept[:, column].mean().item() == pytest.approx(mean, rel=0.1)
     stats = ctl.stats()
@@ -790,7 +763,7 @@ def test_predicted_and_observed_accept_are_compared_on_the_same_calibrated_steps
     for _ in range(50):
         assert ctl.held_budget(bs) is None
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
-        ctl.observe(fc, ctl.choose(fc, bs), torch.ones(bs, dtype=torch.long), None)
+        ctl.observe(fc, ctl.choose(fc, bs), torch.ones(bs, dtype=torch.long))
         for _ in range(hold - 1):
             ctl.observe_committed(ctl.held_budget(bs), torch.full((bs,), 5))
     stats = ctl.stats()
@@ -818,7 +791,7 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
         accept = torch.randint(0, 4, (bs,), generator=coins)
         predicted = fc.accept[:, budgets.index(budget)]  # what the step is compared with
         squared, steps = squared + (predicted - accept).square().sum().item(), steps + bs
-        ctl.observe(fc, budget, accept, path_of(top_nodes(tree, budget), accept))
+        ctl.observe(fc, budget, accept)
         for _ in range(hold - 1):
             held = top_nodes(tree, ctl.held_budget(bs))
             # its prediction now: the same nodes, the calibration as it stands
@@ -830,8 +803,7 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
                 error = (every * (predicted - accept)).square().sum().item()
                 squared, steps = squared + error, steps + every * bs
             ctl.observe_committed(ctl.last_budget, accept)
-            path = path_of(held, accept)
-            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept, path)
+            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
     stats = ctl.stats()
     assert stats.calibrated_request_steps == steps
     assert stats.calibration_squared_error == pytest.approx(squared, rel=1e-5)
@@ -856,7 +828,7 @@ def test_fixed_mode_same_interface_no_latency():
     tree = strong_or_useless_tree(2, strong=True, budget=32)
     fc = ctl.forecast(torch.arange(2), tree.logprobs, tree.depths, tree.valid)
     assert ctl.should_draft(2) and ctl.choose(fc, 2) == 32
-    ctl.observe(fc, 32, torch.tensor([15, 3]), None)
+    ctl.observe(fc, 32, torch.tensor([15, 3]))
     ctl.record_step(2, 32, 0.01)
     assert ctl.stats().mean_observed_accept == 9.0
     assert not BudgetController(ControlConfig(fixed_budget=0), None, 1).should_draft(2)

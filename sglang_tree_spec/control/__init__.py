@@ -47,11 +47,10 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
         fc, n = None, ctl.choose(None, bs)               # 0: plain decode step
     ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...
     if fc is not None:
-        ctl.observe(fc, n, result.accept_len, result.accepted_slots)  # sync-free calibration
-    elif held:                                           # the DDTree at n
+        ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
+    elif held:                                           # the DDTree at n, no ranking
         ctl.observe_committed(n, result.accept_len)      # sync-free: the drafting-pays sums
-        ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len,
-                         result.accepted_slots)
+        ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len)
     ... the step's own end-of-step sync (committing tokens) ...
     ctl.record_step(bs, n, time.perf_counter() - t0, drafted, fc is not None)  # host
     ctl.stats()                                          # every K steps, for logs / metrics

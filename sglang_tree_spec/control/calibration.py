@@ -1,7 +1,7 @@
 """Online calibration of the surrogate from acceptance history (DynaTree's history adaptation).
 
 The surrogate sum_u q(u) is the expected accepted length if the TARGET followed the drafter's
-marginals. It does not, so predictions are rescaled toward what verification observes, with four
+marginals. It does not, so predictions are rescaled toward what verification observes, with three
 ratio estimators, all sync-free tensors updated after every calibrated verify:
 
 1. Per depth, pooled over all requests (``[L]``). The expected accepted length decomposes by
@@ -29,28 +29,12 @@ ratio estimators, all sync-free tensors updated after every calibrated verify:
    in every reply and low early; the per-request factor, shrunk hard toward 1, cannot follow a
    change within a 20-step reply.
 
-4. Per rank band, pooled over all requests (``[K]``): h_k = (O_k + c_h) / (P_k + c_h), the decayed
-   sums of the accepted nodes whose rank (score order, :func:`~sglang_tree_spec.control.
-   surrogate.rank_nodes`) falls in band k and of those nodes' predictions (every other factor
-   included), and h_0 = 1 (the depth factors carry the common scale, the bands' factors are
-   relative to the top ranks). The bands are the candidate budgets' increments (budgets 0 4 8 16
-   32: ranks 0-3, 4-7, 8-15, 16-31), so each factor corrects what one step up the candidates
-   adds, which is what the choice compares. The depth factors make each depth's total right, not
-   the split between a depth's likely and unlikely nodes: through the reference engine, every
-   step verified at the largest candidate, the small pair's ranks 8-15 were predicted 1.32x what
-   they accepted while ranks 0-7 were predicted 0.94x (1,082 steps), so budget 16 looked better
-   against 8 than it was; SmolLM2's ranks 0-1 1.15x and ranks 2-7 0.79-0.84x (638 steps), the
-   other way. A band is observed only by a tree that reaches it (a budget held below it leaves
-   its sums as they are: its decay applies when it is observed).
-
-Calibrated prediction for request i at budget N: A_i(N) = g_a(i) * r_i * sum_{j < N} h_{k(j)}
-s_{d(j)} q(j) over the ranked nodes j, clipped to [0, min(N, L)] (an N-node tree accepts at most N
-tokens). Every factor is positive, so A_i stays non-decreasing in N; since a ratio-of-sums
-estimator weights each step by its predicted mass, its fixed point makes the summed predictions
-equal the summed observations (unbiased in aggregate). The request and age ratios are fitted in
-turn on each other's residual (each one's prediction includes the other factor), so the two do not
-both count one effect; so are the depth and band factors (a depth's mass includes the band
-factors, a band's prediction the depth factors).
+Calibrated prediction for request i at budget N: A_i(N) = g_a(i) * r_i * sum_{j < N} s_{d(j)} q(j)
+over the ranked nodes j, clipped to [0, L]. Every factor is positive, so A_i stays non-decreasing
+in N; since a ratio-of-sums estimator weights each step by its predicted mass, its fixed point
+makes the summed predictions equal the summed observations (unbiased in aggregate). The request
+and age ratios are fitted in turn on each other's residual (each one's prediction includes the
+other factor), so the two do not both count one effect.
 """
 
 from __future__ import annotations
@@ -84,9 +68,6 @@ class CalibrationConfig:
             tokens a step, ~40 steps a bucket within the decay's window), so a small prior
             suffices once the server has served a few requests; it keeps one unlucky step at
             start-up from halving every new request's predictions.
-        band_decay: per-band pooled sums, per step that observes the band.
-        band_prior: pseudo-count c_h of the per-band ratio (in accepted tokens), shrinking
-            toward 1 (the drafter's split between likely and unlikely nodes taken as it is).
     """
 
     depth_decay: float = 0.98
@@ -97,24 +78,13 @@ class CalibrationConfig:
     age_buckets: int = 6
     age_decay: float = 0.995
     age_prior: float = 2.0
-    band_decay: float = 0.995
-    band_prior: float = 4.0
-
-
-def band_starts_of(budgets: tuple[int, ...]) -> tuple[int, ...]:
-    """The first rank of every band after the first: the positive candidate budgets but the
-    largest (budgets 0 4 8 16 32: ranks 4, 8 and 16 start bands 1-3; band 0 is ranks 0-3)."""
-    return tuple(b for b in budgets if b > 0)[:-1]
 
 
 class AcceptCalibrator:
-    """Per-depth x per-request x per-age x per-rank-band calibration state for ``max_slots``
-    request slots, L depths.
+    """Per-depth x per-request calibration state for ``max_slots`` request slots, L depths.
 
     Depth sums are indexed by the depth itself (column 0 unused): a node's depth (1..L, a
     :class:`~sglang_tree_spec.tree.DraftTree` invariant) reads its factor without an offset.
-    Band 0's factor is 1 (the depth factors carry the common scale; the others are relative to
-    it), so with ``band_starts=()`` (one band) there is no band factor.
     """
 
     def __init__(
@@ -123,20 +93,13 @@ class AcceptCalibrator:
         max_depth: int,
         config: CalibrationConfig = CalibrationConfig(),
         device: torch.device | str = "cpu",
-        band_starts: tuple[int, ...] = (),
     ) -> None:
-        if list(band_starts) != sorted(set(band_starts)) or min(band_starts, default=1) < 1:
-            raise ValueError(f"band_starts must be sorted, distinct and >= 1: {band_starts}")
         self.config = config
         self.max_depth = max_depth
         self.depth_sums = torch.zeros(2, max_depth + 1, device=device)  # [2, L+1] M_d, O_d
         self.request_sums = torch.zeros(max_slots, 2, device=device)  # [S, 2] P_i, O_i
         self.age_sums = torch.zeros(config.age_buckets, 2, device=device)  # [A, 2] P_a, O_a
         self.ages = torch.zeros(max_slots, dtype=torch.long, device=device)  # [S] steps
-        self.band_sums = torch.zeros(len(band_starts) + 1, 2, device=device)  # [K, 2] P_k, O_k
-        self._band_starts = band_starts
-        self._band_ids = torch.arange(len(band_starts) + 1, device=device)  # [K]
-        self._rank_bands: dict[int, torch.Tensor] = {}  # n -> [n] band of ranks 0..n-1
         # [L+1] the depth of each column; column 0 is no depth: an id no accept length reaches
         self._depth_ids = torch.arange(max_depth + 1, device=device)
         self._depth_ids[0] = max_depth + 1
@@ -189,31 +152,9 @@ class AcceptCalibrator:
         """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)."""
         return self.request_scale(rows) * self.age_scale(rows)
 
-    def band_table(self) -> torch.Tensor:
-        """``[K]`` h_k of every rank band (h_0 = 1)."""
-        sums = self.band_sums + self.config.band_prior
-        table = sums[:, 1] / sums[:, 0]
-        return torch.where(self._band_ids == 0, 1.0, table)
-
-    def rank_scale(self, n: int) -> torch.Tensor:
-        """``[n]`` h_k of ranks 0..n-1."""
-        return self.band_table()[self._band_of_rank(n)]
-
-    def _band_of_rank(self, n: int) -> torch.Tensor:
-        """``[n]`` int64 the band of ranks 0..n-1 (made once per n)."""
-        bands = self._rank_bands.get(n)
-        if bands is None:
-            device = self.band_sums.device
-            starts = torch.tensor(self._band_starts, dtype=torch.long, device=device)
-            bands = torch.bucketize(torch.arange(n, device=device), starts, right=True)
-            self._rank_bands[n] = bands
-        return bands
-
     def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """``[bs, n]`` calibrated node probabilities h_{k(j)} s_{d(j)} q(j) of RANKED nodes
-        (:func:`~sglang_tree_spec.control.surrogate.rank_nodes`: column j is rank j; depths in
-        1..L)."""
-        return probs * self.depth_table()[depths] * self.rank_scale(probs.shape[1])
+        """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u) (depths in 1..L)."""
+        return probs * self.depth_table()[depths]
 
     def depth_mass(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """``[bs, L+1]`` predicted mass per depth (column d) of the given nodes (``[bs, n]``
@@ -224,43 +165,30 @@ class AcceptCalibrator:
     def update(
         self,
         rows: torch.Tensor,
-        probs: torch.Tensor,
-        depths: torch.Tensor,
-        accepted: torch.Tensor | None,
+        mass: torch.Tensor,
+        calibrated_pred: torch.Tensor,
         accept: torch.Tensor,
         weight: int = 1,
-    ) -> torch.Tensor:
+    ) -> None:
         """Fold in one verified step; its requests grow ``weight`` steps older.
 
         Args:
             rows: ``[bs]`` int64 request slots.
-            probs: ``[bs, n]`` raw probabilities q of the VERIFIED tree's nodes, ranked
-                (column j is rank j; 0 for padding).
-            depths: ``[bs, n]`` their depths (1..L).
-            accepted: ``[bs, n]`` bool, the node of rank j is on the accepted path
-                (:func:`~sglang_tree_spec.control.surrogate.accepted_by_rank`); None: the
-                path is not known by rank (the bands learn nothing from this step).
-            accept: ``[bs]`` accepted draft tokens (bonus excluded), in ``probs``'s dtype.
+            mass: ``[bs, L+1]`` raw predicted mass per depth of the VERIFIED tree
+                (:meth:`depth_mass`).
+            calibrated_pred: ``[bs]`` depth-calibrated prediction (before r and g) of that tree.
+            accept: ``[bs]`` accepted draft tokens (bonus excluded), in ``mass``'s dtype.
             weight: the steps this one stands for (one of every ``weight``, sampled): its sums
                 count ``weight`` times, after ``weight`` steps' decay.
-
-        Returns:
-            ``[bs]`` the step's prediction before this update, g_a r_i sum_j h s q (unclipped).
         """
         cfg = self.config
-        n = probs.shape[1]
-        depth_factor = self.depth_table()[depths]  # [bs, n]
-        banded = probs * self.rank_scale(n)  # [bs, n] h q
-        mass = self.depth_mass(banded, depths)  # [bs, L+1] for the depth factors
-        calibrated = (banded * depth_factor).sum(1)  # [bs] before r and g
-        buckets = self._age_buckets(rows)  # [bs] the ages the predictions were made at
-        request_factor, age_factor = self.request_scale(rows), self.age_table()[buckets]  # [bs]
-        scale = request_factor * age_factor
         observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L+1]
         step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
         self.depth_sums.mul_(cfg.depth_decay**weight).add_(step, alpha=weight)
-        request = torch.stack([calibrated * age_factor, accept], dim=1)  # [bs, 2]
-        age = torch.stack([calibrated * request_factor, accept], dim=1)  # [bs, 2]
+        buckets = self._age_buckets(rows)  # [bs] the ages the predictions were made at
+        request_factor, age_factor = self.request_scale(rows), self.age_table()[buckets]  # [bs]
+        request = torch.stack([calibrated_pred * age_factor, accept], dim=1)  # [bs, 2]
+        age = torch.stack([calibrated_pred * request_factor, accept], dim=1)  # [bs, 2]
         if weight != 1:
             request.mul_(weight)
             age.mul_(weight)
@@ -268,19 +196,6 @@ class AcceptCalibrator:
         self.request_sums[rows] = request.add_(self.request_sums[rows], alpha=decay)
         self.age_sums.mul_(cfg.age_decay**weight).index_add_(0, buckets, age)
         self.ages[rows] += weight
-        if accepted is not None and self._band_starts:
-            self._update_bands(probs * depth_factor * scale.unsqueeze(1), accepted, weight)
-        return calibrated * scale
-
-    def _update_bands(self, predicted: torch.Tensor, accepted: torch.Tensor, weight: int) -> None:
-        """Per rank band: ``[bs, n]`` ranked nodes' predictions without their band factor, and
-        whether each was accepted. Bands the tree does not reach keep their sums."""
-        n = predicted.shape[1]
-        per_rank = torch.stack([predicted.sum(0), accepted.sum(0).to(predicted.dtype)], 1)
-        step = torch.zeros_like(self.band_sums).index_add_(0, self._band_of_rank(n), per_rank)
-        reached = 1 + sum(start < n for start in self._band_starts)  # host: bands observed
-        self.band_sums[:reached].mul_(self.config.band_decay**weight)
-        self.band_sums.add_(step, alpha=weight)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""

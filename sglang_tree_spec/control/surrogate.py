@@ -54,25 +54,6 @@ def rank_nodes(logprobs: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor
     )
 
 
-def accepted_by_rank(path: torch.Tensor, rank_of_node: torch.Tensor) -> torch.Tensor:
-    """Which ranked nodes the accepted path took.
-
-    Args:
-        path: ``[bs, L + 1]`` int64 the path's window slots, root (0) first, -1 after
-            (``AcceptResult.accepted_slots``; slot i + 1 is tree node i).
-        rank_of_node: ``[bs, n]`` int64 the rank of each tree node.
-
-    Returns:
-        ``[bs, n]`` bool; column j: the node of rank j is on the path.
-    """
-    bs, n = rank_of_node.shape
-    nodes = path[:, 1:] - 1  # [bs, L] tree nodes, -2 past the path
-    on_path = nodes >= 0
-    ranks = rank_of_node.gather(1, nodes.clamp(min=0))  # [bs, L]
-    accepted = torch.zeros(bs, n + 1, dtype=torch.bool, device=path.device)
-    return accepted.scatter_(1, torch.where(on_path, ranks, n), on_path)[:, :n]  # spill: n
-
-
 def budget_index(budgets: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
     """``[C]`` int64 tensor of the candidate budgets (gather indices into a prefix sum)."""
     return torch.tensor(budgets, dtype=torch.long, device=device)
