@@ -516,6 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         logs = args.logs.resolve()
         logs.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {logs}", flush=True)
+    env = environment(args.device, args.dtype)  # the commit and the load as the run starts
     if args.random_drafter:
         args.drafter = random_drafter(args.drafter, logs / "random-drafter")
     if args.device == "cpu":
@@ -532,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{config} c{row['concurrency']}: {row['output_tokens_per_s']} tok/s",
                       flush=True)  # fmt: skip
     rows = table_rows(results)
-    env = environment(args.device, args.dtype) | {
+    env |= {
         "target": str(args.target),
         "drafter": "random weights" if args.random_drafter else str(args.drafter),
         "prompts": args.prompts,

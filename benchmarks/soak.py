@@ -611,10 +611,11 @@ def main(argv: list[str] | None = None) -> dict:
     items = plan(args, prompts)
     logs = Path(tempfile.mkdtemp(prefix="soak-"))
     print(f"server logs: {logs}", flush=True)
+    env = environment(args.device, args.dtype)  # the commit and the load as the run starts
     run = soak(args, items, logs / "ddtree.log")
     reference = baseline(args, items, logs / "none.log")
     summary = arbitrate(summarise(items, run, reference), items, args.target)
-    env = environment(args.device, args.dtype) | {
+    env |= {
         "config": args.config,
         "concurrency": args.concurrency,
         "prompt_tokens": f"{args.min_prompt_tokens}-{args.max_prompt_tokens}",

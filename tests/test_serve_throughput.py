@@ -90,11 +90,21 @@ def test_round_summary_gives_the_calibration_gap_its_interval():
     assert "| 0.50/0.40 +-0.10 (n 300) |" in auto_line(bench, control)
 
 
-def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_path):
+def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_path, monkeypatch):
     """One real CPU server (no speculation), one request of 4 tokens: the JSON and markdown
-    table are written and the server's log lands in ``--logs`` (the GPU runs carry it back)."""
+    table are written and the server's log lands in ``--logs`` (the GPU runs carry it back).
+    The environment (commit, load average) is read before the servers run: a commit made
+    during a 20-minute run was recorded as the code it measured."""
     serve_throughput = load_benchmark("serve_throughput")
     out, logs = tmp_path / "table.json", tmp_path / "servers"
+    calls = []
+    for name in ("environment", "measure"):
+        real = getattr(serve_throughput, name)
+        monkeypatch.setattr(
+            serve_throughput,
+            name,
+            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a),
+        )
     record = serve_throughput.main(
         ["--configs", "none", "--concurrency", "1", "--prompts", "1", "--new-tokens", "4",
          "--repeats", "1", "--logs", str(logs), "--out", str(out)]
@@ -103,6 +113,7 @@ def test_a_tiny_run_writes_its_table_and_keeps_the_server_logs_where_asked(tmp_p
     assert record["rows"][0]["output_tokens_per_s"] > 0
     assert out.is_file() and out.with_suffix(".md").is_file()
     assert "sglang.launch_server" in (logs / "none.log").read_text().splitlines()[0]
+    assert calls == ["environment", "measure"]
 
 
 def test_a_result_names_the_commit_it_measured(monkeypatch):
