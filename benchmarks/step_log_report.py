@@ -1,12 +1,14 @@
 """Summarise the per-step CSVs a server writes under ``SGLANG_TREE_SPEC_STEP_LOG=DIR``.
 
-One table per log file (one server: ``steps_<budget>_<pid>.csv``): for every (kind, budget)
-the steps, their share of the server's decode time, the mean batch size, committed tokens per
+One table per log file (one server: ``steps_<budget>_<pid>.csv``): for every (kind, budget) the
+steps, their share of the server's decode time, the mean batch size, committed tokens per
 request-step and committed tokens per millisecond, and, when the server also ran with
 ``SGLANG_TREE_SPEC_STEP_TIMES=N``, the mean milliseconds of each phase of the step
-(``step_times.PHASES``). Kinds: ``forecast`` (auto chose the budget this step), ``held`` (a
-fixed budget, or auto holding, exploring or profiling one), ``plain`` (no draft). Reading auto's
-rows beside the fixed servers' shows where auto's time goes.
+(``step_times.PHASES``); and for auto, over the steps it calibrated on (forecast steps and the
+sampled held ones), the mean predicted and accepted draft tokens per request-step (where its
+predictions miss, by kind of step). Kinds: ``forecast`` (auto chose the budget this step),
+``held`` (a fixed budget, or auto holding, exploring or profiling one), ``plain`` (no draft).
+Reading auto's rows beside the fixed servers' shows where auto's time goes.
 
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
@@ -33,6 +35,7 @@ def report(path: Path) -> str:
     """A markdown table of one server's steps."""
     groups: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
     phase_sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0] * len(PHASES))
+    calibrated: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     total = 0.0
     with path.open() as f:
         for row in csv.DictReader(f):
@@ -48,22 +51,33 @@ def report(path: Path) -> str:
                 sums = phase_sums[key]
                 for i, phase in enumerate(PHASES):
                     sums[i] += float(row[phase])
+            if row.get("predicted"):  # a step the budget control calibrated on
+                sums = calibrated[key]
+                sums[0] += float(row["predicted"])
+                sums[1] += float(row["accepted"])
+                sums[2] += int(row["bs"])
     timed = " | " + " / ".join(PHASES) + " ms" if phase_sums else ""
+    predicted = " | predicted / accepted (request-steps)" if calibrated else ""
     lines = [
         f"### {path.name}: {sum(c[0] for c in groups.values())} steps, {total:.1f} s",
         "| kind | budget | steps | time share | mean bs | tokens / request-step | tokens / ms"
-        f"{timed} |",
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---|" if timed else ""),
+        f"{timed}{predicted} |",
+        "|---|---:|---:|---:|---:|---:|---:|"
+        + ("---|" if timed else "")
+        + ("---|" if predicted else ""),
     ]
     for key, (steps, seconds, rows, tokens) in sorted(groups.items()):
         k, budget = key
-        phases = ""
+        phases = calibration = ""
         if timed:
             phases = " | " + " / ".join(f"{1e3 * x / steps:.2f}" for x in phase_sums[key])
+        if predicted:
+            p, a, n = calibrated.get(key, (0.0, 0.0, 0))
+            calibration = f" | {p / n:.2f} / {a / n:.2f} ({n})" if n else " | -"
         lines.append(
             f"| {k} | {budget} | {steps} | {seconds / max(total, 1e-9):.1%} | "
             f"{rows / steps:.1f} | {tokens / max(rows, 1):.2f} | {tokens / (1e3 * seconds):.3f}"
-            f"{phases} |"
+            f"{phases}{calibration} |"
         )
     return "\n".join(lines)
 

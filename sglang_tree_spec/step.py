@@ -210,6 +210,9 @@ class StepResult:
         logits: ``[bs, W, V]`` the verify logits the acceptance read (log-probs come from them).
         forwards: target forwards the step ran: 1 when drafted; a plain step's forwards, each
             committing one token a request (``accept`` then reports them as an accepted chain).
+        calibrated: ``[2]`` the step's predicted and accepted draft tokens summed over its
+            requests when the budget controller calibrated on it (a forecast step, a sampled
+            held one), else None.
     """
 
     tree: DraftTree
@@ -221,6 +224,7 @@ class StepResult:
     forecast: bool
     logits: torch.Tensor
     forwards: int
+    calibrated: torch.Tensor | None
 
 
 def decode_step(
@@ -264,7 +268,7 @@ def decode_step(
     start = time.perf_counter()
     timer.start()
     drafted = selector is not None and controller.should_draft(bs)
-    topk_logprobs, forecast, budget = None, None, 0
+    topk_logprobs, forecast, budget, calibrated = None, None, 0, None
     if drafted:
         held = controller.held_budget(bs)  # fixed, or a held auto choice; None: forecast
         width = controller.tree_budget(bs) if held is None else held  # the largest verifiable
@@ -282,11 +286,11 @@ def decode_step(
             backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
         )
         if forecast is not None:
-            controller.observe(forecast, budget, accept.accept_len)
+            calibrated = controller.observe(forecast, budget, accept.accept_len)
         else:
             controller.observe_committed(budget, accept.accept_len)
             if selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate
-                controller.observe_held(
+                calibrated = controller.observe_held(
                     rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len
                 )
         timer.mark("observe")
@@ -312,6 +316,7 @@ def decode_step(
         forecast is not None,
         logits,
         forwards,
+        calibrated,
     )
 
 

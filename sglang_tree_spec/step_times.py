@@ -12,8 +12,10 @@ boundary, which the hot path must not pay.
 step: batch size, budget, whether it drafted or forecast, target forwards, committed tokens and
 the step's period (the latency model's measurement), for reading the budget control step by
 step (``benchmarks/step_log_report.py``); with ``SGLANG_TREE_SPEC_STEP_TIMES`` too, the step's
-seconds per phase (:data:`PHASES`; blank without it). Each line reads the committed tokens: a
-device read.
+seconds per phase (:data:`PHASES`; blank without it); and for a step the budget control
+calibrated on (a forecast step, a sampled held one) its predicted and accepted draft tokens
+summed over its requests (blank for the others). Each line reads the committed tokens (and
+those sums): a device read.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ ENV_FLAG = "SGLANG_TREE_SPEC_STEP_TIMES"
 LOG_ENV_FLAG = "SGLANG_TREE_SPEC_STEP_LOG"
 # The phases decode_step marks, in order (observe: the budget controller's update after verify).
 PHASES = ("draft", "tree", "verify", "accept", "commit", "observe")
-STEP_LOG_HEADER = "bs,budget,drafted,forecast,forwards,tokens,seconds," + ",".join(PHASES)
+STEP_LOG_HEADER = (
+    "bs,budget,drafted,forecast,forwards,tokens,seconds," + ",".join(PHASES) + ",predicted,accepted"
+)
 
 
 class StepLog:
@@ -51,15 +55,18 @@ class StepLog:
 
     def write(
         self, bs: int, budget: int, drafted: bool, forecast: bool, forwards: int, tokens: int,
-        seconds: float, phases: dict[str, float] | None = None,
+        seconds: float, phases: dict[str, float] | None, calibrated: list[float] | None,
     ) -> None:  # fmt: skip
-        """``phases``: seconds per phase (:attr:`PhaseTimer.last_step`), None when untimed."""
+        """``phases``: seconds per phase (:attr:`PhaseTimer.last_step`), None when untimed;
+        ``calibrated``: [predicted, accepted] draft tokens (``StepResult.calibrated``), None
+        when the step was not calibrated."""
         times = ",".join(
             "" if phases is None else f"{phases.get(phase, 0.0):.6f}" for phase in PHASES
         )
+        sums = "," if calibrated is None else f"{calibrated[0]:.4f},{calibrated[1]:.0f}"
         self._file.write(
             f"{bs},{budget},{int(drafted)},{int(forecast)},{forwards},{tokens},{seconds:.6f},"
-            f"{times}\n"
+            f"{times},{sums}\n"
         )
 
 

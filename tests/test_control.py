@@ -784,6 +784,7 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
     tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
     coins = torch.Generator().manual_seed(3)
     squared, steps, held_seen = 0.0, 0, 0
+    logged = torch.zeros(2)  # the steps' own [predicted, accepted] sums, weighted by stride
     for _ in range(20):
         assert ctl.held_budget(bs) is None
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
@@ -791,7 +792,9 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
         accept = torch.randint(0, 4, (bs,), generator=coins)
         predicted = fc.accept[:, budgets.index(budget)]  # what the step is compared with
         squared, steps = squared + (predicted - accept).square().sum().item(), steps + bs
-        ctl.observe(fc, budget, accept)
+        step = ctl.observe(fc, budget, accept)
+        assert step.tolist() == pytest.approx([predicted.sum().item(), accept.sum().item()])
+        logged += step
         for _ in range(hold - 1):
             held = top_nodes(tree, ctl.held_budget(bs))
             # its prediction now: the same nodes, the calibration as it stands
@@ -803,8 +806,14 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
                 error = (every * (predicted - accept)).square().sum().item()
                 squared, steps = squared + error, steps + every * bs
             ctl.observe_committed(ctl.last_budget, accept)
-            ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
+            step = ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
+            assert (step is not None) == (held_seen % every == 0)  # None: not calibrated
+            if step is not None:
+                logged += every * step
     stats = ctl.stats()
+    assert logged.tolist() == pytest.approx(
+        [stats.predicted_accept_tokens, stats.calibrated_accepted_tokens], rel=1e-5
+    )
     assert stats.calibrated_request_steps == steps
     assert stats.calibration_squared_error == pytest.approx(squared, rel=1e-5)
     assert stats.accept_gap_stderr == pytest.approx(squared**0.5 / steps, rel=1e-5)

@@ -486,7 +486,8 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     steps (profiled, then chosen), and no token changes: greedy equals no speculation, and a
     seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
     writes a line per decode step: held, forecast and plain steps at the candidates, with their
-    phases under ``SGLANG_TREE_SPEC_STEP_TIMES``."""
+    phases under ``SGLANG_TREE_SPEC_STEP_TIMES``, and every forecast step with its predicted
+    and accepted draft tokens."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
     step_log = log.parent / "steps"
     monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_LOG", str(step_log))
@@ -510,8 +511,11 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen
     (path,) = step_log.glob("steps_auto_*.csv")
     table = load_benchmark("step_log_report").report(path)
-    assert table.splitlines()[1].endswith("observe ms |"), table  # the step's phases
-    kinds = {(row.split(" | ")[0][2:], int(row.split(" | ")[1])) for row in table.splitlines()[3:]}
+    header, rows = table.splitlines()[1], table.splitlines()[3:]
+    assert header.endswith("observe ms | predicted / accepted (request-steps) |"), table
+    forecasts = [row for row in rows if row.startswith("| forecast |")]
+    assert forecasts and not any(row.endswith("| - |") for row in forecasts), table
+    kinds = {(row.split(" | ")[0][2:], int(row.split(" | ")[1])) for row in rows}
     assert {budget for _, budget in kinds} <= {0, 4, 8, 16, 32}
     assert {kind for kind, _ in kinds} == {"forecast", "held", "plain"}, table
     assert ("plain", 0) in kinds and all(b > 0 for k, b in kinds if k != "plain"), table

@@ -40,7 +40,8 @@ def test_disabled_phase_timer_never_reads_the_clock_or_reports():
 def test_step_log_carries_the_phases_its_report_averages(tmp_path):
     """With the phase timer on, every step-log line carries the step's seconds per phase and
     ``step_log_report`` adds their mean per (kind, budget); untimed lines leave them blank and
-    the report shows no phase column."""
+    the report shows no phase column. A calibrated step's line carries its predicted and
+    accepted draft tokens, which the report averages per request-step (kind, budget)."""
     from benchmark_helpers import load_benchmark
 
     from sglang_tree_spec.step_times import PHASES, StepLog
@@ -50,13 +51,17 @@ def test_step_log_carries_the_phases_its_report_averages(tmp_path):
     log = StepLog(str(timed))
     for scale in (1.0, 3.0):  # two held B 16 steps: each phase's mean is twice its first value
         phases = {phase: scale * 1e-3 * (i + 1) for i, phase in enumerate(PHASES)}
-        log.write(2, 16, True, False, 1, 6, 0.02, phases)
-    log.write(2, 0, False, False, 2, 4, 0.01, {"verify": 4e-3})  # a plain step: no draft
-    StepLog(str(untimed)).write(1, 16, True, False, 1, 3, 0.01)
+        log.write(2, 16, True, False, 1, 6, 0.02, phases, None if scale == 1.0 else [5.0, 3.0])
+    log.write(2, 0, False, False, 2, 4, 0.01, {"verify": 4e-3}, None)  # a plain step: no draft
+    log.write(3, 32, True, True, 1, 9, 0.02, None, [4.5, 6.0])  # a forecast at B 32
+    StepLog(str(untimed)).write(1, 16, True, False, 1, 3, 0.01, None, None)
     header, *rows = report(timed).splitlines()[1:]
-    assert header.endswith(" / ".join(PHASES) + " ms |")
+    assert header.endswith(" / ".join(PHASES) + " ms | predicted / accepted (request-steps) |")
     held = next(row for row in rows if row.startswith("| held | 16 |"))
-    assert held.endswith(" | 2.00 / 4.00 / 6.00 / 8.00 / 10.00 / 12.00 |"), held
+    assert held.endswith(" | 2.00 / 4.00 / 6.00 / 8.00 / 10.00 / 12.00 | 2.50 / 1.50 (2) |"), held
     plain = next(row for row in rows if row.startswith("| plain | 0 |"))
-    assert plain.endswith(" | 0.00 / 0.00 / 4.00 / 0.00 / 0.00 / 0.00 |"), plain
-    assert "observe" not in report(untimed) and untimed.read_text().endswith(",,\n")
+    assert plain.endswith(" | 0.00 / 0.00 / 4.00 / 0.00 / 0.00 / 0.00 | - |"), plain
+    forecast = next(row for row in rows if row.startswith("| forecast | 32 |"))
+    assert forecast.endswith(" | 1.50 / 2.00 (3) |"), forecast
+    assert "observe" not in report(untimed) and untimed.read_text().endswith(",,,,\n")
+    assert "predicted" not in report(untimed)

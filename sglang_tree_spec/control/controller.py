@@ -620,18 +620,22 @@ class BudgetController:
         in plain forwards (a plain forward commits one token per request)."""
         return any(tokens > plain_steps for tokens, plain_steps in self._drafted_gain)
 
-    def observe(self, forecast: Forecast, budget: int, accept_len: torch.Tensor) -> None:
+    def observe(
+        self, forecast: Forecast, budget: int, accept_len: torch.Tensor
+    ) -> torch.Tensor | None:
         """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
         nodes). ``accept_len``: ``[bs]`` accepted draft tokens, bonus excluded. A budget-0
-        step carries no information and is skipped."""
+        step carries no information and is skipped. Returns the step's ``[2]`` predicted and
+        accepted draft tokens summed over its requests (None when skipped): the per-step
+        record of the calibration (:class:`~sglang_tree_spec.step_times.StepLog`)."""
         n = min(budget, forecast.tree_budget)
         if n <= 0:
-            return
+            return None
         self._count_accepted(accept_len.sum(), accept_len.numel())
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        self._learn(forecast.rows, mass, depth_cal, forecast.request_scale, accept_len)
+        return self._learn(forecast.rows, mass, depth_cal, forecast.request_scale, accept_len)
 
     def observe_held(
         self,
@@ -640,7 +644,7 @@ class BudgetController:
         depths: torch.Tensor,
         valid: torch.Tensor,
         accept_len: torch.Tensor,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Sync-free update after a drafted step that did not forecast (held, explored or
         profiled; auto only) verified the DDTree whose ``DraftTree`` fields are given
         (``[bs, N]``). Forecast steps are the hard ones (a request's first steps, the step
@@ -651,20 +655,21 @@ class BudgetController:
         instead (and its prediction summed for the metrics; :meth:`observe_committed` counts
         every step's accepted tokens). Sums over nodes need no ranking: the raw mass per
         depth is one scatter of the valid nodes' probabilities, its calibrated sum one product
-        with the depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server)."""
+        with the depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server).
+        Returns what :meth:`observe` returns for a calibrated step, None for the others."""
         if not self.auto or logprobs.shape[1] == 0:
-            return
+            return None
         every = self.config.held_observe_every
         self._held_seen += 1
         if self._held_seen % every:
-            return
+            return None
         cal = self.calibrator
         probs = logprobs.float().exp().masked_fill_(~valid, 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
         depth_cal, scale = mass @ cal.depth_table(), cal.scale(rows)
-        self._learn(rows, mass, depth_cal, scale, accept_len, weight=every)
+        return self._learn(rows, mass, depth_cal, scale, accept_len, weight=every)
 
-    def _learn(self, rows, mass, depth_cal, scale, accept_len, weight: int = 1) -> None:
+    def _learn(self, rows, mass, depth_cal, scale, accept_len, weight: int = 1) -> torch.Tensor:
         """Fold one verified step into the calibration and the predicted/observed totals:
         ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i and
         accepted draft tokens. ``weight``: the steps it stands for (a held step observed for
@@ -672,11 +677,13 @@ class BudgetController:
         calibration stays that of the steps served."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accepted = accept_len.to(predicted.dtype)
-        self._predicted.add_(predicted.sum(), alpha=weight)
-        self._calibrated.add_(accepted.sum(), alpha=weight)
+        step = torch.stack([predicted.sum(), accepted.sum()])  # [2] this step's, unweighted
+        self._predicted.add_(step[0], alpha=weight)
+        self._calibrated.add_(step[1], alpha=weight)
         self._squared_error.add_((predicted - accepted).square_().sum(), alpha=weight * weight)
         self._calibrated_steps += weight * accept_len.numel()
         self.calibrator.update(rows, mass, depth_cal, accepted, weight)
+        return step
 
     def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
         """Sync-free: a drafted step's accepted draft tokens (summed over its ``bs``

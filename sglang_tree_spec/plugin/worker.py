@@ -157,7 +157,7 @@ def _define_worker() -> type:
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
             # _time_steps: (bs, budget, drafted, forecast, forwards, committed, phases, start)
-            self._open_step: tuple[int, int, bool, bool, int, Any, Any, float] | None = None
+            self._open_step: tuple[int, int, bool, bool, int, Any, Any, Any, float] | None = None
             label = "auto" if self.config.auto else str(self.config.budget)
             self._step_log = StepLog.from_env(label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
@@ -359,11 +359,13 @@ def _define_worker() -> type:
             )
             drafted = result.topk_logprobs is not None
             bs = len(batch.reqs)
-            committed = result.commit_lens if self._step_log is not None else None
+            logged = self._step_log is not None
+            committed = result.commit_lens if logged else None
+            calibrated = result.calibrated if logged else None
             phases = self._timer.last_step if self._timer.enabled else None  # a new dict a step
             self._open_step = (
-                bs, result.budget, drafted, result.forecast, result.forwards, committed, phases,
-                start,
+                bs, result.budget, drafted, result.forecast, result.forwards, committed,
+                calibrated, phases, start,
             )  # fmt: skip
             self._log_budgets(bs)
             new_seq_lens = prefix_lens + result.commit_lens
@@ -402,12 +404,15 @@ def _define_worker() -> type:
             ``SGLANG_TREE_SPEC_STEP_LOG``, the closed step's line (:class:`StepLog`)."""
             now = time.perf_counter()
             if self._open_step is not None:
-                bs, budget, drafted, forecast, forwards, committed, phases, start = self._open_step
+                bs, budget, drafted, forecast, forwards, committed, calibrated, phases, start = (
+                    self._open_step
+                )
                 self.controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
                 if self._step_log is not None:
                     tokens = int(committed.sum())
+                    sums = None if calibrated is None else calibrated.tolist()
                     self._step_log.write(
-                        bs, budget, drafted, forecast, forwards, tokens, now - start, phases
+                        bs, budget, drafted, forecast, forwards, tokens, now - start, phases, sums
                     )  # fmt: skip
             return now
 
