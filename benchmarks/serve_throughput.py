@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -324,8 +325,10 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
     """Per concurrency that ran ``ddtree:auto`` and fixed ``ddtree:N`` budgets: the best fixed
     budget (by tok/s), auto's tok/s over it, and the per-wave ratios (wave i of every
     configuration ran in the same interleaved round): their spread is what one run can
-    resolve. The best of several fixed figures is itself the luckiest of them, so a ratio
-    to it reads low by about one wave-spread over sqrt(waves) when the budgets are close."""
+    resolve, and the 95% interval of the ratio is read from it (the ratio times exp(+-1.96 sd
+    / sqrt(waves)) of the per-wave log ratios; None with one wave). The best of several fixed
+    figures is itself the luckiest of them, so a ratio to it reads low by about one
+    wave-spread over sqrt(waves) when the budgets are close."""
     summary = []
     for conc in sorted({r["concurrency"] for r in rows}):
         at = {r["config"]: r for r in rows if r["concurrency"] == conc}
@@ -340,11 +343,17 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
                 auto["repeats_tokens_per_s"], at[best]["repeats_tokens_per_s"], strict=True
             )
         ]
+        ratio = auto["output_tokens_per_s"] / at[best]["output_tokens_per_s"]
+        interval = None
+        if len(waves) > 1:
+            half = 1.96 * statistics.stdev(map(math.log, waves)) / math.sqrt(len(waves))
+            interval = [ratio * math.exp(-half), ratio * math.exp(half)]
         summary.append(
             {
                 "concurrency": conc,
                 "best_fixed": best,
-                "ratio": auto["output_tokens_per_s"] / at[best]["output_tokens_per_s"],
+                "ratio": ratio,
+                "ratio_interval": interval,
                 "wave_median": statistics.median(waves),
                 "wave_min": min(waves),
                 "wave_max": max(waves),
@@ -401,14 +410,16 @@ def markdown(rows: list[dict], env: dict) -> str:
             "Auto against the best fixed budget of each concurrency (per wave: auto's wave over "
             "the best fixed budget's wave of the same round):",
             "",
-            "| conc | best fixed | auto / best | per-wave median | per-wave range |",
-            "|---:|---|---:|---:|---|",
+            "| conc | best fixed | auto / best | 95% interval | per-wave median | per-wave range |",
+            "|---:|---|---:|---|---:|---|",
         ]
-        lines += [
-            f"| {v['concurrency']} | {v['best_fixed']} | {v['ratio']:.3f} | "
-            f"{v['wave_median']:.3f} | {v['wave_min']:.2f}-{v['wave_max']:.2f} |"
-            for v in versus
-        ]
+        for v in versus:
+            low_high = v.get("ratio_interval")  # (results before v30: none)
+            interval = f"{low_high[0]:.3f}-{low_high[1]:.3f}" if low_high else "-"
+            lines.append(
+                f"| {v['concurrency']} | {v['best_fixed']} | {v['ratio']:.3f} | {interval} | "
+                f"{v['wave_median']:.3f} | {v['wave_min']:.2f}-{v['wave_max']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

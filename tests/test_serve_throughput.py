@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from benchmark_helpers import load_benchmark
 
@@ -42,6 +44,10 @@ def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurr
     assert first["ratio"] == pytest.approx(90.0 / 110.0)
     # wave i against wave i: 0.5, 1.0, 1.0 (sorted or pooled pairs would differ)
     assert (first["wave_min"], first["wave_median"], first["wave_max"]) == (0.5, 1.0, 1.0)
+    # 95% interval: the ratio times exp(+-1.96 sd / sqrt(3)) of the log ratios (ln 0.5, 0, 0)
+    half = 1.96 * math.log(2) / math.sqrt(3) / math.sqrt(3)  # sd of (ln 0.5, 0, 0): ln 2 / sqrt 3
+    low, high = first["ratio_interval"]
+    assert (low, high) == pytest.approx((90 / 110 * math.exp(-half), 90 / 110 * math.exp(half)))
     assert second["best_fixed"] == "ddtree:4" and second["ratio"] == pytest.approx(1.0)
     assert (second["wave_min"], second["wave_max"]) == (0.9, 1.1)
     table = bench.markdown(
@@ -52,7 +58,7 @@ def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurr
         {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
          "command": "c"},
     )  # fmt: skip
-    assert "| 1 | ddtree:8 | 0.818 | 1.000 | 0.50-1.00 |" in table
+    assert f"| 1 | ddtree:8 | 0.818 | {low:.3f}-{high:.3f} | 1.000 | 0.50-1.00 |" in table
 
 
 def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
