@@ -156,7 +156,8 @@ def _define_worker() -> type:
             self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
-            # _time_steps: (bs, budget, drafted, forecast, forwards, committed, phases, start)
+            # _time_steps: (bs, budget, drafted, forecast, forwards, committed, calibrated,
+            # phases, start)
             self._open_step: tuple[int, int, bool, bool, int, Any, Any, Any, float] | None = None
             label = "auto" if self.config.auto else str(self.config.budget)
             self._step_log = StepLog.from_env(label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
