@@ -674,7 +674,8 @@ class BudgetController:
         ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i and
         accepted draft tokens. ``weight``: the steps it stands for (a held step observed for
         its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
-        calibration stays that of the steps served."""
+        calibration stays that of the steps served. Returns the step's ``[2]`` predicted and
+        accepted draft tokens, unweighted (what :meth:`observe` returns)."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accepted = accept_len.to(predicted.dtype)
         step = torch.stack([predicted.sum(), accepted.sum()])  # [2] this step's, unweighted
