@@ -97,11 +97,16 @@ FORGET_AFTER = 512
 # step).
 EXPLORE_MARGIN = 0.15
 # Auto: the calibration learns from every forecast step and from every HELD_OBSERVE_EVERY-th
-# other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~30
-# small tensor ops cost 0.3 ms of a 12.5 ms step at batch size 1 on CPU through SGLang (small
-# pair, per-phase step log), on most steps of an auto server; one in four: 0.13-0.19 ms. The
+# other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~80
+# small tensor ops cost 0.29 ms at batch size 4 in inference mode on this CPU (0.3 ms of a
+# 12.5 ms step at batch size 1 through SGLang), on most steps of an auto server; at one in
+# four, held steps spent 0.19-0.26 ms a step in the observe phase (2026-11-29, per-phase step
+# log) where a fixed budget's spend 0.01. One in eight halves that. Simulated clock (64
+# prompts, `budget_sim.py --policies ... auto auto:obs=8 auto:obs=16`, which charges no
+# observe time): auto / best fixed 0.993 / 0.990 / 0.983 / 1.024 at batch sizes 1 / 2 / 4 / 8
+# with 8, 0.990 / 0.988 / 0.987 / 1.015 with 4, 0.981 / 0.985 / 0.981 / 1.007 with 16. The
 # accepted-token and request-step totals (metrics) still count every step, exactly.
-HELD_OBSERVE_EVERY = 4
+HELD_OBSERVE_EVERY = 8
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
 # is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
@@ -272,7 +277,8 @@ def decode_step(
     if drafted:
         held = controller.held_budget(bs)  # fixed, or a held auto choice; None: forecast
         width = controller.tree_budget(bs) if held is None else held  # the largest verifiable
-        topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, selector.topk, width)
+        topk = _draft_topk(selector, width)
+        topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, topk, width)
         timer.mark("draft")
         if held is None:  # one tree at ``width``; every candidate up to it nests in it
             largest = _largest_tree(selector, width, topk_logprobs, topk_tokens, bonus)
@@ -363,6 +369,19 @@ def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator,
         committed_tokens=committed,
     )
     return chain, accept, torch.cat(logits, dim=1)
+
+
+def _draft_topk(selector: TreeSelector, width: int) -> int:
+    """K, the tokens per drafted depth a step drafts when its tree has at most ``width``
+    nodes. A nested selector (DDTree) reads the top ``width`` alone: a rank-r token is in the
+    ``width`` best prefixes only if the r - 1 better siblings are (``build_ddtree`` cuts to
+    them), so drafting more is wasted top-K work over the vocabulary. Auto's K is its largest
+    candidate's: on its held steps at a smaller budget it drafted top-32 for a tree of 4-8
+    nodes (the draft phase of a fixed B 8 server does top-8). Another selector's K stands (a
+    grafted tree looks its grafted tokens up in the drafter's whole top-K)."""
+    if not selector.nested:
+        return selector.topk
+    return max(1, min(selector.topk, width))
 
 
 def _largest_tree(selector, budget, topk_logprobs, topk_tokens, bonus) -> DraftTree:

@@ -303,3 +303,35 @@ def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
         engine = SpecEngine(target, drafter, "ddtree", budget=budget)
         assert [r.tokens for r in engine.generate(PROMPTS, 12, stop_token_ids=[])] == want
         assert shapes and {s[1] for s in shapes} == {depths}, (budget, shapes)
+
+
+def test_auto_drafts_the_top_k_each_steps_tree_reads(monkeypatch):
+    """Under auto a DDTree step drafts the top-K its tree can use: a held step at budget N
+    the top N (a rank-r token is among the N best prefixes only behind its r - 1 better
+    siblings), a forecast step its largest candidate's, where drafting every step at the
+    largest candidate's K wasted top-K work over the vocabulary on the small held trees. A
+    grafted tree keeps the whole top-K (it looks its grafted tokens up in it). The tokens are
+    plain decoding's either way."""
+    from sglang_tree_spec.engine.backend import TransformersBackend
+
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, 16, seed=3)
+    shapes = []
+    original = TransformersBackend.draft_topk
+
+    def recording(self, bonus, prefix_lens, k, depths):
+        logprobs, tokens = original(self, bonus, prefix_lens, k, depths)
+        shapes.append(tuple(logprobs.shape[1:]))  # (D, K)
+        return logprobs, tokens
+
+    monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
+    prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6], [2, 2, 5]]  # a batch of 4: profiled
+    want = [r.tokens for r in SpecEngine(target, method="ar").generate(prompts, 24)]
+    for method, allowed in (
+        ("ddtree", {(4, 4), (8, 8), (15, 16)}),  # budgets 4, 8 (held) and 16 or a forecast
+        ("ddtree-graft-unified", {(4, 16), (8, 16), (15, 16)}),
+    ):
+        shapes.clear()
+        engine = SpecEngine(target, drafter, method, budget=16, auto=True)
+        assert [r.tokens for r in engine.generate(prompts, 24)] == want
+        assert set(shapes) <= allowed and len(set(shapes)) > 1, (method, Counter(shapes))
