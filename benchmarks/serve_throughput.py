@@ -20,7 +20,11 @@ the plain decoding it is compared with step for step); ``chain`` (DDTREE at top-
 and the drafter's whole block: the DFlash chain through the same worker); ``ddtree:B`` (fixed
 budget B); ``ddtree:auto``
 (budget control up to ``--auto-max-budget``); ``ddtree-graft:B|auto`` (with the unified graft);
-on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter.
+on a GPU ``dflash``, SGLang's built-in DFlash chain with the same drafter. ``CONFIG@N`` is
+another server of ``CONFIG`` (a replica, e.g. ``ddtree:auto@2``): on this CPU two identical
+servers measured in the same interleaved waves differ by up to ~3% for the whole run (small
+pair, B 8 twice, 8 waves: 11.36 vs 11.04 ms a step at batch size 1), more than a run's waves
+resolve, so a replica measures that spread in the run itself (:func:`replica_spread`).
 
     python benchmarks/serve_throughput.py                    # CPU, the shipped small pair
     python benchmarks/serve_throughput.py --quick            # none / chain / auto, minutes
@@ -100,8 +104,17 @@ def random_drafter(drafter: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
+REPLICA = "@"  # CONFIG@N: another server of CONFIG
+
+
+def base_config(config: str) -> str:
+    """``CONFIG@N`` -> ``CONFIG`` (a replica runs its configuration's command)."""
+    return config.split(REPLICA, 1)[0]
+
+
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
     """SGLang's launcher for one configuration (see the module docstring)."""
+    config = base_config(config)
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.target), "--device", args.device,
@@ -321,44 +334,66 @@ def table_rows(results: dict[str, list]) -> list[dict]:
     return rows
 
 
+def paired_ratio(a: dict, b: dict) -> dict:
+    """Row ``a``'s tok/s over row ``b``'s (the same concurrency of one run), with the per-wave
+    ratios (wave i of every configuration ran in the same interleaved round): their spread is
+    what one run can resolve, and the 95% interval of the ratio is read from it (the ratio
+    times exp(+-1.96 sd / sqrt(waves)) of the per-wave log ratios; None with one wave). A
+    server's own persistent offset is not in that interval (:func:`replica_spread`)."""
+    waves = [
+        x / y for x, y in zip(a["repeats_tokens_per_s"], b["repeats_tokens_per_s"], strict=True)
+    ]
+    ratio = a["output_tokens_per_s"] / b["output_tokens_per_s"]
+    interval = None
+    if len(waves) > 1:
+        half = 1.96 * statistics.stdev(map(math.log, waves)) / math.sqrt(len(waves))
+        interval = [ratio * math.exp(-half), ratio * math.exp(half)]
+    return {
+        "ratio": ratio,
+        "ratio_interval": interval,
+        "wave_median": statistics.median(waves),
+        "wave_min": min(waves),
+        "wave_max": max(waves),
+    }
+
+
 def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
-    """Per concurrency that ran ``ddtree:auto`` and fixed ``ddtree:N`` budgets: the best fixed
-    budget (by tok/s), auto's tok/s over it, and the per-wave ratios (wave i of every
-    configuration ran in the same interleaved round): their spread is what one run can
-    resolve, and the 95% interval of the ratio is read from it (the ratio times exp(+-1.96 sd
-    / sqrt(waves)) of the per-wave log ratios; None with one wave). The best of several fixed
-    figures is itself the luckiest of them, so a ratio to it reads low by about one
-    wave-spread over sqrt(waves) when the budgets are close."""
+    """Per concurrency that ran ``ddtree:auto`` (and each replica ``ddtree:auto@N``) and fixed
+    ``ddtree:N`` budgets (not their replicas): the best fixed budget (by tok/s) and auto's
+    tok/s over it (:func:`paired_ratio`). The best of several fixed figures is itself the
+    luckiest of them, so a ratio to it reads low by about one wave-spread over sqrt(waves)
+    when the budgets are close, and by the servers' own offsets (:func:`replica_spread`)."""
     summary = []
     for conc in sorted({r["concurrency"] for r in rows}):
         at = {r["config"]: r for r in rows if r["concurrency"] == conc}
         fixed = [c for c in at if c.startswith("ddtree:") and c.removeprefix("ddtree:").isdigit()]
-        if "ddtree:auto" not in at or not fixed:
+        autos = [c for c in at if base_config(c) == "ddtree:auto"]
+        if not autos or not fixed:
             continue
-        auto = at["ddtree:auto"]
         best = max(fixed, key=lambda c: at[c]["output_tokens_per_s"])
-        waves = [
-            a / b
-            for a, b in zip(
-                auto["repeats_tokens_per_s"], at[best]["repeats_tokens_per_s"], strict=True
+        for auto in autos:
+            summary.append(
+                {"concurrency": conc, "auto": auto, "best_fixed": best}
+                | paired_ratio(at[auto], at[best])
             )
-        ]
-        ratio = auto["output_tokens_per_s"] / at[best]["output_tokens_per_s"]
-        interval = None
-        if len(waves) > 1:
-            half = 1.96 * statistics.stdev(map(math.log, waves)) / math.sqrt(len(waves))
-            interval = [ratio * math.exp(-half), ratio * math.exp(half)]
-        summary.append(
-            {
-                "concurrency": conc,
-                "best_fixed": best,
-                "ratio": ratio,
-                "ratio_interval": interval,
-                "wave_median": statistics.median(waves),
-                "wave_min": min(waves),
-                "wave_max": max(waves),
-            }
-        )
+    return summary
+
+
+def replica_spread(rows: list[dict]) -> list[dict]:
+    """Per concurrency and replica ``CONFIG@N``: its tok/s over ``CONFIG``'s
+    (:func:`paired_ratio`), a control: the two run the same command, so what sets them apart
+    is the server processes themselves (on this CPU up to ~3% for a whole run) and the waves'
+    noise. A ratio between configurations within that spread of 1 is not resolved by the run."""
+    summary = []
+    for conc in sorted({r["concurrency"] for r in rows}):
+        at = {r["config"]: r for r in rows if r["concurrency"] == conc}
+        for replica in at:
+            original = base_config(replica)
+            if replica != original and original in at:
+                summary.append(
+                    {"concurrency": conc, "replica": replica, "original": original}
+                    | paired_ratio(at[replica], at[original])
+                )
     return summary
 
 
@@ -410,17 +445,38 @@ def markdown(rows: list[dict], env: dict) -> str:
             "Auto against the best fixed budget of each concurrency (per wave: auto's wave over "
             "the best fixed budget's wave of the same round):",
             "",
-            "| conc | best fixed | auto / best | 95% interval | per-wave median | per-wave range |",
+            "| conc | auto | best fixed | auto / best | 95% interval | per-wave median "
+            "| per-wave range |",
+            "|---:|---|---|---:|---|---:|---|",
+        ]
+        lines += [
+            f"| {v['concurrency']} | {v['auto']} | {v['best_fixed']} | {_ratio_cells(v)}"
+            for v in versus
+        ]
+    spread = replica_spread(rows)
+    if spread:
+        lines += [
+            "",
+            "Identical servers (a replica `CONFIG@N` runs CONFIG's command in a server of its "
+            "own): their ratio is what the servers themselves move a ratio by in this run; a "
+            "ratio between configurations within this spread of 1 is not resolved by it.",
+            "",
+            "| conc | replica | replica / original | 95% interval | per-wave median "
+            "| per-wave range |",
             "|---:|---|---:|---|---:|---|",
         ]
-        for v in versus:
-            low_high = v.get("ratio_interval")  # (results before v30: none)
-            interval = f"{low_high[0]:.3f}-{low_high[1]:.3f}" if low_high else "-"
-            lines.append(
-                f"| {v['concurrency']} | {v['best_fixed']} | {v['ratio']:.3f} | {interval} | "
-                f"{v['wave_median']:.3f} | {v['wave_min']:.2f}-{v['wave_max']:.2f} |"
-            )
+        lines += [f"| {v['concurrency']} | {v['replica']} | {_ratio_cells(v)}" for v in spread]
     return "\n".join(lines) + "\n"
+
+
+def _ratio_cells(v: dict) -> str:
+    """A :func:`paired_ratio`'s table cells: ratio, interval, per-wave median and range."""
+    low_high = v["ratio_interval"]
+    interval = f"{low_high[0]:.3f}-{low_high[1]:.3f}" if low_high else "-"
+    return (
+        f"{v['ratio']:.3f} | {interval} | {v['wave_median']:.3f} | "
+        f"{v['wave_min']:.2f}-{v['wave_max']:.2f} |"
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -58,7 +58,51 @@ def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurr
         {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
          "command": "c"},
     )  # fmt: skip
-    assert f"| 1 | ddtree:8 | 0.818 | {low:.3f}-{high:.3f} | 1.000 | 0.50-1.00 |" in table
+    assert f"| 1 | ddtree:auto | ddtree:8 | 0.818 | {low:.3f}-{high:.3f} | 1.000 | 0.50-1.00 |" in (
+        table
+    )
+    assert "Identical servers" not in table  # no replica ran
+
+
+def test_a_replica_is_a_second_server_of_its_configuration_and_measures_their_spread():
+    """``CONFIG@N`` launches CONFIG's command in another server; a fixed budget's replica is
+    never the best fixed budget (the luckiest of more servers would read auto lower), an auto
+    replica is compared with the best fixed budget like auto, and each replica's tok/s over
+    its original's, wave by wave, is the run's control: what identical servers differ by."""
+    bench = load_benchmark("serve_throughput")
+    args = bench.parse_args([])
+    for config in ("ddtree:8", "ddtree:auto", "none"):
+        assert bench.server_command(args, config + "@2", 1234) == bench.server_command(
+            args, config, 1234
+        )
+    rows = [
+        row("ddtree:8", 1, [100.0, 100.0]),
+        row("ddtree:8@2", 1, [120.0, 100.0]),  # faster, yet not the best fixed budget
+        row("ddtree:auto", 1, [90.0, 110.0]),
+        row("ddtree:auto@2", 1, [95.0, 95.0]),
+    ]
+    versus = bench.auto_vs_best_fixed(rows)
+    assert [(v["auto"], v["best_fixed"]) for v in versus] == [
+        ("ddtree:auto", "ddtree:8"),
+        ("ddtree:auto@2", "ddtree:8"),
+    ]
+    assert [v["ratio"] for v in versus] == pytest.approx([1.0, 0.95])
+    spread = bench.replica_spread(rows)
+    assert [(v["replica"], v["original"]) for v in spread] == [
+        ("ddtree:8@2", "ddtree:8"),
+        ("ddtree:auto@2", "ddtree:auto"),
+    ]
+    assert [v["ratio"] for v in spread] == pytest.approx([1.1, 0.95])
+    assert (spread[0]["wave_min"], spread[0]["wave_max"]) == pytest.approx((1.0, 1.2))
+    table = bench.markdown(
+        [r | {"tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
+              "mismatched_outputs": 0, "speedup_vs_none": None,
+              "control": {"predicted_accept": None, "step_time_error": None, "budget_steps": {}}}
+         for r in rows],
+        {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+         "command": "c"},
+    )  # fmt: skip
+    assert "| 1 | ddtree:8@2 | 1.100 |" in table and "| 1 | ddtree:auto@2 | 0.950 |" in table
 
 
 def test_round_summary_reads_the_latency_models_bias_from_the_metrics():
