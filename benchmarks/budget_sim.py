@@ -11,8 +11,8 @@ defaults). Output tokens / simulated seconds then compares policies without this
 
 Policies: ``fixed:N``; ``auto`` (the product's controller, as ``step.make_controller`` sets it,
 with the table for its latency model: no start-up profile, no exploration), and ``auto`` with
-``ControlConfig`` fields overridden: ``auto:hold=8:hard=1:tie=0.01:obs=4:decay=0.5``
-(``hold_steps``, ``hard_plain_steps``, ``tie_rtol``, ``held_observe_every``,
+``ControlConfig`` fields overridden: ``auto:hold=8:holdmax=32:hard=1:tie=0.01:obs=4:decay=0.5``
+(``hold_steps``, ``hold_max_steps``, ``hard_plain_steps``, ``tie_rtol``, ``held_observe_every``,
 ``choice_decay``). Batches are static
 (``--batch-size`` prompts from start to end, shrinking as they finish), not SGLang's continuous
 batching: arrivals are not simulated.
@@ -62,6 +62,7 @@ FORECAST_MS = 1.0
 AFTER_PLAIN_MS = 0.5
 AUTO_KEYS = {
     "hold": ("hold_steps", int),
+    "holdmax": ("hold_max_steps", int),
     "hard": ("hard_plain_steps", int),
     "tie": ("tie_rtol", float),
     "obs": ("held_observe_every", int),

@@ -716,6 +716,42 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
         ControlConfig(held_observe_every=0)
 
 
+def test_a_choice_made_again_holds_twice_as_long_up_to_hold_max_steps():
+    """With ``hold_max_steps``, a forecast that chooses what the forecast before it chose holds
+    twice as long as that one did (2, 4, 8, then 8 at the cap): a choice that keeps being made
+    needs fewer forecasts, each costlier than a held step. A different choice holds
+    ``hold_steps`` again, as does the first choice after a plain run; without the cap every
+    choice holds ``hold_steps``."""
+    budgets = (0, 4, 8, 16, 32, 64)
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
+    four = LatencyModel([[0.01, 0.01] + [1.0] * 4] * 3, budgets, bs_buckets=(1, 8, 64))
+    rows = torch.arange(8)
+    strong, useless = (strong_or_useless_tree(8, strong=s) for s in (True, False))
+
+    def holds(ctl, steps: int, latency: LatencyModel) -> list[int]:
+        """The lengths of the holds (forecast step included) over ``steps`` drafted steps."""
+        ctl.latency, lengths = latency, []
+        for _ in range(steps):
+            if ctl.held_budget(8) is None:
+                fc = ctl.forecast(rows, strong.logprobs, strong.depths, strong.valid)
+                ctl.choose(fc, 8)
+                lengths.append(0)
+            lengths[-1] += 1
+        return lengths
+
+    config = ControlConfig(budgets=budgets, hold_steps=2, hold_max_steps=8, hard_plain_steps=1)
+    ctl = BudgetController(config, flat, max_slots=8)
+    assert holds(ctl, 30, flat) == [2, 4, 8, 8, 8]  # 64 every time: doubled up to the cap
+    assert holds(ctl, 14, four) == [2, 4, 8]  # 4 now: a new choice holds 2 again
+    fc = ctl.forecast(rows, useless.logprobs, useless.depths, useless.valid)
+    assert ctl.choose(fc, 8) == 4 and ctl._plain  # a hard step: a plain step follows ...
+    assert holds(ctl, 6, four) == [2, 4]  # ... and the probe's choice of 4 holds 2 again
+    plain = BudgetController(ControlConfig(budgets=budgets, hold_steps=2), flat, max_slots=8)
+    assert holds(plain, 8, flat) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="hold_max_steps"):
+        ControlConfig(hold_steps=4, hold_max_steps=2)
+
+
 @pytest.mark.parametrize("observe_every, mean", [(1, 2.25), (3, 4.5)])
 def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
     """Forecast steps are the hard ones (a request's first steps, the step after a plain run);
