@@ -278,23 +278,29 @@ def test_a_plain_step_of_several_forwards_commits_what_one_forward_steps_do(monk
     assert outputs[1, "greedy"] != outputs[1, "seeded"]
 
 
+def recorded_draft_shapes(monkeypatch) -> list[tuple[int, int]]:
+    """A list that each engine draft appends its top-K's ``(D, K)`` to (the real drafter
+    runs; the recording wraps it)."""
+    from sglang_tree_spec.engine.backend import TransformersBackend
+
+    shapes, original = [], TransformersBackend.draft_topk
+
+    def recording(self, bonus, prefix_lens, k, depths):
+        logprobs, tokens = original(self, bonus, prefix_lens, k, depths)
+        shapes.append(tuple(logprobs.shape[1:]))  # (D, K)
+        return logprobs, tokens
+
+    monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
+    return shapes
+
+
 def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
     """A tree of ``B`` nodes is at most ``B`` deep: each step's draft top-K covers the first
     ``min(L, largest budget)`` depths only (the LM head is the drafter's largest matmul), and
     the tokens are those of plain decoding."""
-    from sglang_tree_spec.engine.backend import TransformersBackend
-
     target = tiny_target("qwen3")
     drafter = random_drafter(target, 16, seed=3)
-    shapes = []
-    original = TransformersBackend.draft_topk
-
-    def recording(self, bonus, prefix_lens, k, depths):
-        logprobs, tokens = original(self, bonus, prefix_lens, k, depths)
-        shapes.append(tuple(logprobs.shape))
-        return logprobs, tokens
-
-    monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
+    shapes = recorded_draft_shapes(monkeypatch)
     want = [
         r.tokens for r in SpecEngine(target, method="ar").generate(PROMPTS, 12, stop_token_ids=[])
     ]
@@ -302,7 +308,7 @@ def test_the_drafter_lm_head_runs_only_on_depths_a_tree_can_reach(monkeypatch):
         shapes.clear()
         engine = SpecEngine(target, drafter, "ddtree", budget=budget)
         assert [r.tokens for r in engine.generate(PROMPTS, 12, stop_token_ids=[])] == want
-        assert shapes and {s[1] for s in shapes} == {depths}, (budget, shapes)
+        assert shapes and {s[0] for s in shapes} == {depths}, (budget, shapes)
 
 
 def test_auto_drafts_the_top_k_each_steps_tree_reads(monkeypatch):
@@ -312,19 +318,9 @@ def test_auto_drafts_the_top_k_each_steps_tree_reads(monkeypatch):
     largest candidate's K wasted top-K work over the vocabulary on the small held trees. A
     grafted tree keeps the whole top-K (it looks its grafted tokens up in it). The tokens are
     plain decoding's either way."""
-    from sglang_tree_spec.engine.backend import TransformersBackend
-
     target = tiny_target("qwen3")
     drafter = random_drafter(target, 16, seed=3)
-    shapes = []
-    original = TransformersBackend.draft_topk
-
-    def recording(self, bonus, prefix_lens, k, depths):
-        logprobs, tokens = original(self, bonus, prefix_lens, k, depths)
-        shapes.append(tuple(logprobs.shape[1:]))  # (D, K)
-        return logprobs, tokens
-
-    monkeypatch.setattr(TransformersBackend, "draft_topk", recording)
+    shapes = recorded_draft_shapes(monkeypatch)
     prompts = [[3, 7, 1, 4], [5, 2, 9, 9, 8, 1], [6], [2, 2, 5]]  # a batch of 4: profiled
     want = [r.tokens for r in SpecEngine(target, method="ar").generate(prompts, 24)]
     for method, allowed in (

@@ -27,6 +27,18 @@ def auto_line(bench, control: dict) -> str:
     return bench.markdown([row], env)
 
 
+def summary_table(bench, rows: list[dict]) -> str:
+    """The markdown of ``row``-made rows (their other columns filled in, no DDTREE metrics)."""
+    return bench.markdown(
+        [r | {"tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
+              "mismatched_outputs": 0, "speedup_vs_none": None,
+              "control": {"predicted_accept": None, "step_time_error": None, "budget_steps": {}}}
+         for r in rows],
+        {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
+         "command": "c"},
+    )  # fmt: skip
+
+
 def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurrency():
     bench = load_benchmark("serve_throughput")
     rows = [
@@ -50,14 +62,7 @@ def test_auto_is_compared_wave_by_wave_with_the_best_fixed_budget_of_its_concurr
     assert (low, high) == pytest.approx((90 / 110 * math.exp(-half), 90 / 110 * math.exp(half)))
     assert second["best_fixed"] == "ddtree:4" and second["ratio"] == pytest.approx(1.0)
     assert (second["wave_min"], second["wave_max"]) == (0.9, 1.1)
-    table = bench.markdown(
-        [r | {"tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
-              "mismatched_outputs": 0, "speedup_vs_none": None,
-              "control": {"predicted_accept": None, "step_time_error": None, "budget_steps": {}}}
-         for r in rows],
-        {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
-         "command": "c"},
-    )  # fmt: skip
+    table = summary_table(bench, rows)
     assert f"| 1 | ddtree:auto | ddtree:8 | 0.818 | {low:.3f}-{high:.3f} | 1.000 | 0.50-1.00 |" in (
         table
     )
@@ -94,14 +99,7 @@ def test_a_replica_is_a_second_server_of_its_configuration_and_measures_their_sp
     ]
     assert [v["ratio"] for v in spread] == pytest.approx([1.1, 0.95])
     assert (spread[0]["wave_min"], spread[0]["wave_max"]) == pytest.approx((1.0, 1.2))
-    table = bench.markdown(
-        [r | {"tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
-              "mismatched_outputs": 0, "speedup_vs_none": None,
-              "control": {"predicted_accept": None, "step_time_error": None, "budget_steps": {}}}
-         for r in rows],
-        {"device": "cpu", "target": "t", "prompts": 1, "prompt_tokens": 1, "new_tokens": 1,
-         "command": "c"},
-    )  # fmt: skip
+    table = summary_table(bench, rows)
     assert "| 1 | ddtree:8@2 | 1.100 |" in table and "| 1 | ddtree:auto@2 | 0.950 |" in table
 
 
