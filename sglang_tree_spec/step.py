@@ -57,9 +57,10 @@ HOLD_STEPS = 8
 # HOLD_MAX_STEPS drafted steps (ControlConfig.hold_max_steps). Per-step logs of the small pair
 # through SGLang (serve_throughput_cpu_v30_steps.md): forecasts are 14-22% of auto's steps, and
 # with each drafted step charged the fixed server's mean time for its budget, auto would read
-# 0.98-1.00x the best fixed budget at batch sizes 1-8 where it reads 0.94-0.97x; the forecast
+# 0.98-1.00x the best fixed budget at batch sizes 1-8 where it reads 0.94-0.98x; the forecast
 # steps alone account for 1-3 points of that. Simulated clock (64 prompts, `budget_sim.py
-# --policies ... auto auto:holdmax=16 auto:holdmax=32 auto:holdmax=64`, +1 ms a forecast):
+# --policies ... auto auto:holdmax=16 auto:holdmax=32 auto:holdmax=64`, +1 ms a forecast;
+# benchmarks/results/budget_sim_cpu_small_pair_holdmax.md):
 # 0.997 / 0.989 / 0.988 / 1.011x at batch sizes 1 / 2 / 4 / 8 with 32, 0.993 / 0.990 / 0.983 /
 # 1.024x without (64: as 32 at 1-2, 0.985 / 1.001x at 4 / 8).
 HOLD_MAX_STEPS = 32
