@@ -107,6 +107,14 @@ FORGET_AFTER = 512
 # a fresher time, and re-measuring it only costs (budget 32 at batch size 16: twice budget 4's
 # step).
 EXPLORE_MARGIN = 0.15
+# Auto: a budget whose measured step time exceeds a larger budget's by more than this fraction
+# is explored whatever its predicted rate (ControlConfig.explore_inverted): a larger tree is
+# never less work, so its cell was set at another speed of the machine. Above the cells' noise
+# (5-10% on this CPU); the small pair's trap at concurrency 16 (B 4 and B 8 at 17% and 11% over
+# B 16) would have been caught. Replaying that server's per-step log into a fresh latency model
+# (serve_throughput_cpu_v30, steps_auto_24949) shows how: the bucket's profile set B 4 and B 8
+# while the load read 0.74, B 16 was first measured with the load at 0.89.
+EXPLORE_INVERTED = 0.10
 # Auto: the calibration learns from every forecast step and from every HELD_OBSERVE_EVERY-th
 # other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~80
 # small tensor ops cost 0.29 ms at batch size 4 in inference mode on this CPU (0.3 ms of a
@@ -440,6 +448,7 @@ def make_controller(
         explore_every=32,
         explore_steps=EXPLORE_STEPS,
         explore_margin=EXPLORE_MARGIN,
+        explore_inverted=EXPLORE_INVERTED,
         forget_after=FORGET_AFTER,
         hold_steps=HOLD_STEPS,
         hold_max_steps=HOLD_MAX_STEPS,

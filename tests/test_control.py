@@ -1189,6 +1189,46 @@ def test_explorations_re_measure_the_contenders_alone():
     assert (0, False) in everyone
 
 
+def test_a_cell_dearer_than_a_larger_budgets_is_explored_whatever_its_rate():
+    """A larger tree is never less work: a cell set dearer than a larger budget's (here budget
+    4's profile times taken in a slow spell, 30 ms against budget 16's 16) is an artefact of
+    when it was measured. The row's fit pools it up, its predicted rate falls more than
+    ``explore_margin`` behind and explorations would never re-measure it; with
+    ``explore_inverted`` it stays a contender, is explored, and its fresh times correct it."""
+    budgets = (0, 4, 8, 16)
+    true = {0: 0.008, 4: 0.010, 8: 0.014, 16: 0.016}
+    slow_profile = dict(true) | {4: 0.030}
+
+    def after_profile(inverted: float | None) -> tuple[list[int], BudgetController]:
+        config = ControlConfig(
+            budgets=budgets, profile_steps=1, explore_every=4, explore_margin=0.15,
+            explore_inverted=inverted,
+        )  # fmt: skip
+        ctl = BudgetController(
+            config, LatencyModel([list(true.values())] * 3, budgets, (1, 8, 64)), max_slots=8
+        )
+        tree = strong_or_useless_tree(1, strong=True)
+        fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+        steps = []
+        for i in range(len(budgets) + 1 + 48):  # the profile (budget 4 twice), then 48 steps
+            budget, drafted = step_budget(ctl, 1, fc)
+            times = slow_profile if i <= len(budgets) else true
+            ctl.record_step(1, budget, times[budget], drafted)
+            steps.append(budget)
+        return steps[len(budgets) + 1 :], ctl
+
+    steps, ctl = after_profile(None)
+    assert 4 not in steps and ctl.latency.inverted(1, 0.1) == [4]  # never re-measured
+    steps, ctl = after_profile(0.1)
+    assert 4 in steps and ctl.latency.inverted(1, 0.1) == []  # explored and corrected
+    # Against ANY larger budget, beyond the margin: 4 and 8 exceed 16 (4 not 8 by 10%).
+    model = LatencyModel([[0.01] * len(budgets)] * 3, budgets, (1, 8, 64))
+    for budget, seconds in ((4, 0.020), (8, 0.021), (16, 0.015), (0, 0.0155)):
+        for _ in range(3):
+            model.record(1, budget, seconds)
+    assert model.inverted(1, 0.1) == [4, 8] and model.inverted(1, 0.5) == []  # 0: 3% over
+
+
 def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     """A cell measured under another load (here budget 8 at 30 ms, nine times) is explored for
     ``explore_steps`` steps and then reads those fresh times alone, so auto moves to it once it

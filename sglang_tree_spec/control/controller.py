@@ -94,6 +94,16 @@ class ControlConfig:
         margin 1): a stale cell matters where it can change the choice, and re-measuring a
         budget that loses by more than the cells' noise (5-10% on this CPU) would cost speed
         for nothing (budget 32 at batch size 16 costs twice budget 4's step).
+    explore_inverted: a budget whose measured C(bs, N) exceeds a larger budget's by more than
+        this fraction is one of its bucket's contenders whatever its predicted rate (None:
+        never; :meth:`LatencyModel.inverted`), so explorations re-measure it. Cells of one row
+        are set at different times, each normalised by the machine's load read then; when that
+        read is off (a bucket first measured while the load follows another), the smaller
+        budgets can read dearer than the larger ones: small pair at concurrency 16 through
+        SGLang, B 4 and B 8 set at 33.2 and 31.6 ms (at load 1) against B 16's 28.4, fitted
+        all three at 27.5-29 ms where B 4's steps took ~20, B 4 predicted more than
+        ``explore_margin`` behind, never explored again, and B 16 held at 0.92x B 4's
+        tokens/s (one of two auto servers of one run).
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
@@ -157,6 +167,7 @@ class ControlConfig:
     profile_steps: int = 0
     explore_every: int = 0
     explore_steps: int = 1
+    explore_inverted: float | None = None
     forget_after: int | None = None
     explore_margin: float = 1.0
     hold_steps: int = 1
@@ -584,14 +595,17 @@ class BudgetController:
     ) -> None:
         """Host: the budgets whose predicted rate is within ``ControlConfig.explore_margin``
         of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
-        predicted, with margin 1 alone)."""
+        predicted, with margin 1 alone), and those whose cell reads dearer than a larger
+        budget's (``ControlConfig.explore_inverted``)."""
         margin, budgets = self.config.explore_margin, self.config.budgets
         rates = [t / c for t, c in zip(totals, seconds, strict=True)]
         top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
+        inverted = self.config.explore_inverted
+        suspect = set() if inverted is None else set(self.latency.inverted(bs, inverted))
         self._contenders[bucket_of(self.latency.bs_buckets, bs)] = [
             b
             for b, r in zip(budgets, rates, strict=True)
-            if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0)
+            if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0) or b in suspect
         ]
 
     def observe_committed(self, budget: int, accept_len: torch.Tensor) -> None:

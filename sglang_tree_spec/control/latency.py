@@ -473,6 +473,22 @@ class LatencyModel:
             self._cost[cell] += sign * max(floor, 1.0 / (2 + seen)) * error
             self._switches[cell] = seen + 1
 
+    def inverted(self, bs: int, margin: float) -> list[int]:
+        """The budgets of ``bs``'s bucket whose measured cost exceeds a larger budget's measured
+        cost by more than ``margin`` (a fraction). A larger tree is never less work: such a
+        cell was set at another speed of the machine than the larger one (a row's cells are
+        measured at different times, each normalised by the load read then), and the row's
+        isotonic fit pools it up to the larger one's. Re-measuring it next to the others (a
+        switch, :meth:`_pair`) is what corrects it (``ControlConfig.explore_inverted``)."""
+        bucket = bucket_of(self.bs_buckets, bs)
+        measured = [c for c in range(len(self.budgets)) if (bucket, c) in self._cost]
+        cost, excess = [self._cost[bucket, c] for c in measured], math.log1p(margin)
+        return [
+            self.budgets[c]
+            for i, c in enumerate(measured)
+            if any(cost[i] > larger + excess for larger in cost[i + 1 :])
+        ]
+
     def forget(self, bs: int, budget: int) -> None:
         """Drop the cost of ``bs``'s bucket's ``budget`` cell (its count stays: the profile is
         not repeated); its next ``first_steps`` times set it afresh."""
