@@ -25,10 +25,16 @@ another server of ``CONFIG`` (a replica, e.g. ``ddtree:auto@2``): on this CPU tw
 servers measured in the same interleaved waves differ by up to ~3% for the whole run (small
 pair, B 8 twice, 8 waves: 11.36 vs 11.04 ms a step at batch size 1), more than a run's waves
 resolve, so a replica measures that spread in the run itself (:func:`replica_spread`).
+``SERVER/N`` runs budget N inside the auto server ``SERVER`` (e.g. ``ddtree:auto/8``): its
+requests pin the step's budget (``custom_params``, under the plugin's
+``SGLANG_TREE_SPEC_PIN_BUDGET``), so the server measures its auto against its own fixed budgets
+with no server offset between them (:func:`auto_vs_own_fixed`).
 
     python benchmarks/serve_throughput.py                    # CPU, the shipped small pair
     python benchmarks/serve_throughput.py --quick            # none / chain / auto, minutes
     python benchmarks/serve_throughput.py --configs none chain ddtree:auto --prompts 8
+    python benchmarks/serve_throughput.py --configs none ddtree:auto ddtree:auto/4 \\
+        ddtree:auto/8 ddtree:auto/16 ddtree:auto/32 --repeats 12   # one auto server
     python benchmarks/serve_throughput.py --device cuda --target DIR --drafter DIR \\
         --configs none dflash ddtree:16 ddtree:auto --attention-backend triton \\
         --dtype bfloat16 --out benchmarks/results/serve_throughput_h100.json
@@ -54,7 +60,9 @@ from typing import Any
 from common import command_line, environment
 from tqdm import tqdm
 
+from sglang_tree_spec.config import candidate_budgets
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
     ddtree_metrics,
     exit_on_sigterm,
@@ -105,11 +113,39 @@ def random_drafter(drafter: Path, out: Path, seed: int = 0) -> Path:
 
 
 REPLICA = "@"  # CONFIG@N: another server of CONFIG
+PIN = "/"  # SERVER/N: budget N pinned in SERVER's (auto) server
 
 
 def base_config(config: str) -> str:
-    """``CONFIG@N`` -> ``CONFIG`` (a replica runs its configuration's command)."""
-    return config.split(REPLICA, 1)[0]
+    """``CONFIG@N`` -> ``CONFIG`` (a replica runs its configuration's command), pin kept:
+    ``ddtree:auto@2/8`` -> ``ddtree:auto/8``."""
+    server, pin, budget = config.partition(PIN)
+    return server.split(REPLICA, 1)[0] + pin + budget
+
+
+def server_of(config: str) -> str:
+    """The server a configuration's waves go to: ``SERVER/N`` -> ``SERVER``, else itself."""
+    return config.split(PIN, 1)[0]
+
+
+def pinned_budget(config: str, candidates: tuple[int, ...] | None = None) -> int | None:
+    """``SERVER/N`` -> N (its requests pin budget N in SERVER's server), else None; N must be
+    one of ``candidates`` (auto's budgets) when given: the server ignores any other pin."""
+    if PIN not in config:
+        return None
+    server, budget = config.split(PIN, 1)
+    if not budget.isdigit() or not base_config(server).endswith(":auto"):
+        raise SystemExit(f"{config!r}: a pinned budget is AUTO_SERVER/N, e.g. ddtree:auto/8")
+    if candidates is not None and int(budget) not in candidates:
+        raise SystemExit(f"{config!r}: {budget} is not one of auto's budgets {candidates}")
+    return int(budget)
+
+
+def auto_budgets(args: argparse.Namespace) -> tuple[int, ...]:
+    """The budgets an auto server of this run chooses from (a pin must be one of them)."""
+    if args.auto_candidates:
+        return tuple(int(b) for b in args.auto_candidates.split(","))
+    return candidate_budgets(args.auto_max_budget)
 
 
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
@@ -158,9 +194,12 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
     )
 
 
-def stream_one(base_url: str, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed greedy request: its output ids, TTFT, chunk gaps and SGLang's meta."""
+def stream_one(base_url: str, prompt: list[int], new_tokens: int, pin: int | None = None) -> dict:
+    """One streamed greedy request: its output ids, TTFT, chunk gaps and SGLang's meta.
+    ``pin``: the budget its decode steps run at (a pinned configuration's request)."""
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    if pin is not None:
+        params["custom_params"] = {PIN_PARAM: pin}
     body = json.dumps({"input_ids": prompt, "sampling_params": params, "stream": True}).encode()
     request = urllib.request.Request(
         f"{base_url}/generate", data=body, headers={"Content-Type": "application/json"}
@@ -221,11 +260,17 @@ def control_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
 
-def run_wave(base_url: str, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+def run_wave(
+    base_url: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    new_tokens: int,
+    pin: int | None = None,
+) -> dict:
     """All prompts at ``concurrency`` requests in flight: the replies and the wall time."""
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(lambda p: stream_one(base_url, p, new_tokens), prompts))
+        replies = list(pool.map(lambda p: stream_one(base_url, p, new_tokens, pin), prompts))
     return {"replies": replies, "wall": time.perf_counter() - start}
 
 
@@ -272,36 +317,44 @@ def warm_up(base_url: str, prompts: list[list[int]], new_tokens: int) -> None:
 def measure(
     args: argparse.Namespace, configs: list[str], prompts: list[list[int]], logs: Path
 ) -> dict[str, list]:
-    """The ``configs``' servers up at once (idle ones asleep), then per concurrency: a
-    warm-up wave on each, and ``--repeats`` measured waves per configuration, interleaved
-    (the order rotating each repeat) so that drifts of this machine's speed fall on every
-    configuration alike. Returns each configuration's rows, one per concurrency."""
+    """The ``configs``' servers up at once (idle ones asleep; a pinned ``SERVER/N`` runs in
+    SERVER's), then per concurrency: a warm-up wave on each server, and ``--repeats``
+    measured waves per configuration, interleaved (the order rotating each repeat) so that
+    drifts of this machine's speed fall on every configuration alike. Returns each
+    configuration's rows, one per concurrency."""
+    pins = {config: pinned_budget(config, auto_budgets(args)) for config in configs}
     servers: dict[str, tuple[Any, str]] = {}
     try:
-        for config in configs:
+        for server in dict.fromkeys(map(server_of, configs)):
             port = free_port()
-            log = logs / f"{config.replace(':', '_')}.log"
-            process = launch(server_command(args, config, port), log, plugins="ddtree")
-            servers[config] = (process, f"http://127.0.0.1:{port}")
-            wait_until_healthy(servers[config][1], process, log)
+            log = logs / f"{server.replace(':', '_')}.log"
+            pinned = any(server_of(c) == server and pins[c] is not None for c in configs)
+            env = {PIN_ENV_FLAG: "1"} if pinned else None
+            process = launch(server_command(args, server, port), log, plugins="ddtree", env=env)
+            servers[server] = (process, f"http://127.0.0.1:{port}")
+            wait_until_healthy(servers[server][1], process, log)
         results: dict[str, list] = {config: [] for config in configs}
         total = len(configs) * len(args.concurrency) * args.repeats
         with tqdm(total=total, desc="rounds", unit="round", file=sys.stdout) as bar:
             for c in args.concurrency:
                 before = {}
-                for config, (_, url) in servers.items():
+                for server, (_, url) in servers.items():
                     warm_up(url, prompts[:c], args.new_tokens)
-                    before[config] = ddtree_metrics(url)
+                    before[server] = ddtree_metrics(url)
                 waves: dict[str, list] = {config: [] for config in configs}
                 for repeat in range(args.repeats):
                     shift = repeat % len(configs)
                     for config in configs[shift:] + configs[:shift]:
                         bar.set_postfix_str(f"conc {c} {config}")
-                        url = servers[config][1]
-                        waves[config].append(run_wave(url, prompts, c, args.new_tokens))
+                        url = servers[server_of(config)][1]
+                        waves[config].append(
+                            run_wave(url, prompts, c, args.new_tokens, pins[config])
+                        )
                         bar.update(1)
-                for config, (_, url) in servers.items():
-                    control = control_summary(before[config], ddtree_metrics(url))
+                for config in configs:  # a server's metrics are its own controller's steps
+                    server = server_of(config)
+                    after = ddtree_metrics(servers[server][1]) if pins[config] is None else {}
+                    control = control_summary(before[server] if after else {}, after)
                     results[config].append(summarise(c, waves[config], control))
         return results
     finally:
@@ -372,6 +425,26 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
             continue
         best = max(fixed, key=lambda c: at[c]["output_tokens_per_s"])
         for auto in autos:
+            summary.append(
+                {"concurrency": conc, "auto": auto, "best_fixed": best}
+                | paired_ratio(at[auto], at[best])
+            )
+    return summary
+
+
+def auto_vs_own_fixed(rows: list[dict]) -> list[dict]:
+    """Per concurrency and auto server ``SERVER`` whose budgets ran pinned (``SERVER/N``): the
+    best of them (by tok/s) and SERVER's auto over it (:func:`paired_ratio`): one server
+    process, so no server offset between the two; what is left of the best-of-several bias
+    is the waves' noise."""
+    summary = []
+    for conc in sorted({r["concurrency"] for r in rows}):
+        at = {r["config"]: r for r in rows if r["concurrency"] == conc}
+        for auto in at:
+            own = [c for c in at if c != auto and server_of(c) == auto]
+            if not own:
+                continue
+            best = max(own, key=lambda c: at[c]["output_tokens_per_s"])
             summary.append(
                 {"concurrency": conc, "auto": auto, "best_fixed": best}
                 | paired_ratio(at[auto], at[best])
@@ -452,6 +525,21 @@ def markdown(rows: list[dict], env: dict) -> str:
         lines += [
             f"| {v['concurrency']} | {v['auto']} | {v['best_fixed']} | {_ratio_cells(v)}"
             for v in versus
+        ]
+    own = auto_vs_own_fixed(rows)
+    if own:
+        lines += [
+            "",
+            "Auto against the best of its own server's budgets (`SERVER/N`: budget N pinned in "
+            "the auto server's steps; one server process, so no server offset between them):",
+            "",
+            "| conc | auto | best own fixed | auto / best | 95% interval | per-wave median "
+            "| per-wave range |",
+            "|---:|---|---|---:|---|---:|---|",
+        ]
+        lines += [
+            f"| {v['concurrency']} | {v['auto']} | {v['best_fixed']} | {_ratio_cells(v)}"
+            for v in own
         ]
     spread = replica_spread(rows)
     if spread:

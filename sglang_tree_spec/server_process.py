@@ -85,15 +85,18 @@ def wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> N
     raise ServerStartError(f"server not healthy after {START_TIMEOUT_S:.0f}s:\n{_tail(log)}")
 
 
-def launch(command: list[str], log: Path, plugins: str) -> subprocess.Popen:
+def launch(
+    command: list[str], log: Path, plugins: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start ``command`` in its own process group, output to ``log``.
 
-    ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points.
+    ``plugins`` is SGLang's ``SGLANG_PLUGINS`` whitelist of ``sglang.srt.plugins`` entry points;
+    ``env``: more environment variables for the server.
     ``SGLANG_USE_CPU_ENGINE`` is removed so that only the plugin can make CPU serving work.
     ``SGLANG_TREE_SPEC_SERVER_ARGS`` (shell words) is appended to every server's command, e.g.
     ``--disable-prefill-cuda-graph`` for a short GPU run; the log's first line shows the command.
     """
-    env = {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1"}
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     command = [*command, *shlex.split(os.environ.get(SERVER_ARGS_ENV, ""))]
     with log.open("w") as sink:

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from transformers import AutoTokenizer
 
 from sglang_tree_spec import step
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
     ServerStartError,
     ddtree_metrics,
@@ -487,11 +489,15 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
     writes a line per decode step: held, forecast and plain steps at the candidates, with their
     phases under ``SGLANG_TREE_SPEC_STEP_TIMES``, and every forecast step with its predicted
-    and accepted draft tokens."""
+    and accepted draft tokens. Under ``SGLANG_TREE_SPEC_PIN_BUDGET`` a request pins its batch's
+    budget to one of the candidates (the benchmark's ``ddtree:auto/N``): those steps run that
+    budget alone, logged apart, and no token changes; a pin outside the candidates is ignored
+    with one warning."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
     step_log = log.parent / "steps"
     monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_LOG", str(step_log))
     monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_TIMES", "1000000")  # phases in the log, no report
+    monkeypatch.setenv(PIN_ENV_FLAG, "1")
     command = [*server_command(pair, free_port(), 32, "auto"), "--speculative-ddtree-graft", graft]
     command.append("--enable-metrics")
     for server in running_server(command, log):
@@ -505,7 +511,19 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
         assert served == offline_sample(
             offline_target, prompts[0], served[0], len(served), FILTERED
         )
+        with ThreadPoolExecutor(4) as pool:
+            pinned = pool.map(partial(server.generate, custom_params={PIN_PARAM: 8}), prompts[:4])
+            pinned = [reply["output_ids"] for reply in pinned]
+            assert pinned == baseline["sequential"][:4]
+        for bad in (5, "8", [8], 5):
+            reply = server.generate(prompts[1], custom_params={PIN_PARAM: bad})
+            assert reply["output_ids"] == baseline["sequential"][1]
     text = log.read_text()
+    assert text.count("is not one of the server's budgets") == 3  # 5, "8", [8]: once each
+    (pin_log,) = step_log.glob("steps_auto-pin8_*.csv")
+    pin_steps = pin_log.read_text().splitlines()[1:]
+    assert len(pin_steps) >= NEW_TOKENS // 8  # (bs, budget, drafted, forecast, ...)
+    assert {tuple(line.split(",")[1:4]) for line in pin_steps} == {("8", "1", "0")}
     assert "auto over (0, 4, 8, 16, 32)" in text
     counts = re.findall(r"DDTREE budgets over \d+ steps: (\{[^}]*\})", text)
     assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen

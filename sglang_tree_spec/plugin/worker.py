@@ -22,7 +22,9 @@ unprocessed step (penalties: :mod:`.pending`).
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -53,6 +55,14 @@ from sglang_tree_spec.tree.draft_vocab import DraftVocab, check_token_map, draft
 
 logger = logging.getLogger(__name__)
 BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto only)
+# Benchmarks only: with this variable set to 1, a decode batch whose first request carries
+# ``custom_params={"ddtree_budget": N}`` (N one of the server's candidate budgets) runs at the
+# fixed budget N, the steps of a fixed-budget server, so one server measures its own auto
+# against its own fixed budgets (``benchmarks/serve_throughput.py``'s ``ddtree:auto/N``): on
+# this CPU two servers of one command differ by up to ~5% for a whole run, more than what
+# sets auto apart from the best fixed budget. Off: the parameter is ignored.
+PIN_ENV_FLAG = "SGLANG_TREE_SPEC_PIN_BUDGET"
+PIN_PARAM = "ddtree_budget"
 
 
 def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
@@ -151,16 +161,19 @@ def _define_worker() -> type:
                 else None
             )
             self._controller = None  # built on first use: the request pool comes later
+            self._pinned: dict[str, tuple[Any, StepLog | None]] | None = (
+                {} if os.environ.get(PIN_ENV_FLAG) == "1" else None
+            )
             self._recent: RecentOutputs | None = None  # likewise; kept under overlap only
             self._deferred: DeferredContext | None = None  # built at the first plain step
             self._deferred_sized = False
             self.overlap = not bool(server_args.disable_overlap_schedule)
             self._steps = 0
-            # _time_steps: (bs, budget, drafted, forecast, forwards, committed, calibrated,
-            # phases, start)
-            self._open_step: tuple[int, int, bool, bool, int, Any, Any, Any, float] | None = None
-            label = "auto" if self.config.auto else str(self.config.budget)
-            self._step_log = StepLog.from_env(label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
+            # _time_steps: (controller, step log, bs, budget, drafted, forecast, forwards,
+            # committed, calibrated, phases, start)
+            self._open_step: tuple | None = None
+            self._label = "auto" if self.config.auto else str(self.config.budget)
+            self._step_log = StepLog.from_env(self._label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
@@ -215,6 +228,34 @@ def _define_worker() -> type:
                     self._latency_model() if self.config.auto else None,
                 )
             return self._controller
+
+        def step_controller(self, reqs: list[Any]) -> tuple[Any, StepLog | None]:
+            """The decode step's budget controller and step log: the server's, or under
+            :data:`PIN_ENV_FLAG` a fixed controller at the budget the batch's first request
+            pins and a step log of its own (``steps_<label>-pin<N>_<pid>.csv``), one per budget,
+            built at its first use. A pin that is not one of the server's candidate budgets is
+            ignored, with a warning."""
+            if self._pinned is None:
+                return self.controller, self._step_log
+            params = reqs[0].sampling_params.custom_params
+            budget = params.get(PIN_PARAM) if isinstance(params, dict) else None
+            if budget is None:
+                return self.controller, self._step_log
+            key = repr(budget)  # any JSON value (a list is not hashable)
+            if key not in self._pinned:
+                if type(budget) is not int or budget not in self.config.budgets:
+                    logger.warning(
+                        "DDTREE: %s=%s is not one of the server's budgets %s: ignored",
+                        PIN_PARAM, key, self.config.budgets,
+                    )  # fmt: skip
+                    self._pinned[key] = (self.controller, self._step_log)  # warned once
+                else:
+                    fixed = replace(self.config, budget=budget, auto=False, candidates=None)
+                    rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+                    controller = make_controller(fixed, self.block_size - 1, rows, self.device)
+                    log = StepLog.from_env(f"{self._label}-pin{budget}")
+                    self._pinned[key] = (controller, log)
+            return self._pinned[key]
 
         @property
         def recent(self) -> RecentOutputs:
@@ -345,10 +386,11 @@ def _define_worker() -> type:
                 backend.penalties = partial(batch_penalties, batch.reqs, recent=recent, rows=rows)
             self._bind_table(batch.reqs)
             start = self._time_steps()
+            controller, step_log = self.step_controller(batch.reqs)
             result = decode_step(
                 backend,
                 self.selector,
-                self.controller,
+                controller,
                 batch_sampling(batch, self.device),
                 batch.spec_info.bonus_tokens.to(torch.int64),  # [bs] slot-0 tokens
                 prefix_lens,
@@ -360,13 +402,13 @@ def _define_worker() -> type:
             )
             drafted = result.topk_logprobs is not None
             bs = len(batch.reqs)
-            logged = self._step_log is not None
+            logged = step_log is not None
             committed = result.commit_lens if logged else None
             calibrated = result.calibrated if logged else None
             phases = self._timer.last_step if self._timer.enabled else None  # a new dict a step
             self._open_step = (
-                bs, result.budget, drafted, result.forecast, result.forwards, committed,
-                calibrated, phases, start,
+                controller, step_log, bs, result.budget, drafted, result.forecast,
+                result.forwards, committed, calibrated, phases, start,
             )  # fmt: skip
             self._log_budgets(bs)
             new_seq_lens = prefix_lens + result.commit_lens
@@ -405,14 +447,13 @@ def _define_worker() -> type:
             ``SGLANG_TREE_SPEC_STEP_LOG``, the closed step's line (:class:`StepLog`)."""
             now = time.perf_counter()
             if self._open_step is not None:
-                bs, budget, drafted, forecast, forwards, committed, calibrated, phases, start = (
-                    self._open_step
-                )
-                self.controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
-                if self._step_log is not None:
+                (controller, step_log, bs, budget, drafted, forecast, forwards, committed,
+                 calibrated, phases, start) = self._open_step  # fmt: skip
+                controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
+                if step_log is not None:
                     tokens = int(committed.sum())
                     sums = None if calibrated is None else calibrated.tolist()
-                    self._step_log.write(
+                    step_log.write(
                         bs, budget, drafted, forecast, forwards, tokens, now - start, phases, sums
                     )  # fmt: skip
             return now
