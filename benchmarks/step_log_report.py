@@ -10,6 +10,14 @@ predictions miss, by kind of step). Kinds: ``forecast`` (auto chose the budget t
 ``held`` (a fixed budget, or auto holding, exploring or profiling one), ``plain`` (no draft).
 Reading auto's rows beside the fixed servers' shows where auto's time goes.
 
+When the auto server also ran pinned budgets (``serve_throughput.py``'s ``ddtree:auto/N``: their
+steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, per
+batch size, auto's committed tokens per second over the best pinned budget's and what each of
+auto's (kind, budget) costs it: its time share, its mean step against the pinned budget's at
+that batch size, and its loss, the time its steps took beyond what the best pinned budget
+needs for their tokens, as a share of auto's time (the losses sum to 1 - auto / best; a
+negative loss: those steps did better than the best budget's average).
+
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
     python benchmarks/step_log_report.py /tmp/steps
@@ -82,6 +90,59 @@ def report(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _steps(path: Path) -> list[tuple[int, int, str, int, float]]:
+    """``(bs, budget, kind, tokens, seconds)`` of every line of a step log."""
+    with path.open() as f:
+        return [
+            (int(r["bs"]), int(r["budget"]), kind(r), int(r["tokens"]), float(r["seconds"]))
+            for r in csv.DictReader(f)
+        ]
+
+
+def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) -> str:
+    """Auto's steps against its own server's pinned budgets (``pinned``: the
+    ``steps_auto-pin<N>_<pid>.csv`` of ``auto``'s process), per batch size in ``batch_sizes``
+    (one whose pinned budgets ran fewer than 20 steps each is left out)."""
+    mine = _steps(auto)
+    cells: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tokens, s, n
+    for path in pinned:
+        for bs, budget, _, tokens, seconds in _steps(path):
+            cell = cells[bs, budget]
+            cell[0], cell[1], cell[2] = cell[0] + tokens, cell[1] + seconds, cell[2] + 1
+    lines = [f"### {auto.name} against its pinned budgets"]
+    for size in batch_sizes:
+        rates = {b: t / s for (bs, b), (t, s, n) in cells.items() if bs == size and n >= 20}
+        steps = [step for step in mine if step[0] == size]
+        if not rates or not steps:
+            continue
+        best = max(rates, key=rates.get)
+        time = sum(step[4] for step in steps)
+        ratio = sum(step[3] for step in steps) / time / rates[best]
+        relative = ", ".join(f"B {b} {r / rates[best]:.3f}" for b, r in sorted(rates.items()))
+        lines += [
+            "",
+            f"batch size {size}: auto {ratio:.3f}x the best pinned budget (B {best}; "
+            f"pinned: {relative})",
+            "",
+            "| kind | budget | steps | time share | ms / step | pinned ms / step | loss |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        groups: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        for _, budget, k, tokens, seconds in steps:
+            group = groups[k, budget]
+            group[0] += 1
+            group[1] += seconds
+            group[2] += seconds - tokens / rates[best]
+        for (k, budget), (n, seconds, loss) in sorted(groups.items()):
+            cell = cells.get((size, budget))
+            pinned_ms = f"{1e3 * cell[1] / cell[2]:.2f}" if cell and cell[2] else "-"
+            lines.append(
+                f"| {k} | {budget} | {n} | {seconds / time:.1%} | {1e3 * seconds / n:.2f} | "
+                f"{pinned_ms} | {round(loss / time, 4) + 0.0:+.1%} |"  # (no -0.0%)
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path, help="the SGLANG_TREE_SPEC_STEP_LOG folder")
@@ -89,7 +150,13 @@ def main() -> None:
     files = sorted(args.folder.glob("steps_*.csv"))
     if not files:
         raise SystemExit(f"no steps_*.csv under {args.folder}")
-    print("\n\n".join(report(path) for path in files))
+    tables = [report(path) for path in files]
+    for path in files:
+        pid = path.stem.rsplit("_", 1)[1]
+        pinned = sorted(args.folder.glob(f"steps_auto-pin*_{pid}.csv"))
+        if path.stem.startswith("steps_auto_") and pinned:
+            tables.append(versus_pinned(path, pinned, (1, 2, 4, 8, 16)))
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -65,3 +65,35 @@ def test_step_log_carries_the_phases_its_report_averages(tmp_path):
     assert forecast.endswith(" | 1.50 / 2.00 (3) |"), forecast
     assert "observe" not in report(untimed) and untimed.read_text().endswith(",,,,\n")
     assert "predicted" not in report(untimed)
+
+
+def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path):
+    """Beside its pinned budgets' logs (the same process), auto's steps are read per batch size
+    against the best pinned budget's tokens per second: auto's ratio, and each (kind, budget)'s
+    loss, the time its steps took beyond the best budget's for their tokens (summing to 1 -
+    the ratio); a batch size whose pinned budgets ran too few steps is left out."""
+    from benchmark_helpers import load_benchmark
+
+    from sglang_tree_spec.step_times import StepLog
+
+    bench = load_benchmark("step_log_report")
+    auto = tmp_path / "steps_auto_7.csv"
+    log = StepLog(str(auto))
+    for _ in range(3):  # batch size 2: 4 held B 8 steps of 10 tokens in 10 ms, a forecast
+        log.write(2, 8, True, False, 1, 10, 0.010, None, None)
+    log.write(2, 8, True, True, 1, 10, 0.015, None, None)  # 5 ms dearer: 5 ms lost
+    log.write(2, 0, False, False, 2, 4, 0.008, None, None)  # 4 tokens: 4 ms at 1 tok/ms
+    pins = {4: (8, 0.010), 8: (10, 0.010)}  # (tokens, seconds) a step: B 8 is the best
+    for budget, (tokens, seconds) in pins.items():
+        pin = StepLog(str(tmp_path / f"steps_auto-pin{budget}_7.csv"))
+        for _ in range(20):
+            pin.write(2, budget, True, False, 1, tokens, seconds, None, None)
+        pin.write(4, budget, True, False, 1, tokens, seconds, None, None)  # too few at 4
+    table = bench.versus_pinned(auto, sorted(tmp_path.glob("steps_auto-pin*_7.csv")), (2, 4))
+    # auto: 44 tokens in 53 ms against 1 token / ms: 0.830; lost 5 (forecast) + 4 (plain)
+    ratio = "batch size 2: auto 0.830x the best pinned budget (B 8; pinned: B 4 0.800, B 8 1.000)"
+    assert ratio in table
+    assert "| forecast | 8 | 1 | 28.3% | 15.00 | 10.00 | +9.4% |" in table
+    assert "| held | 8 | 3 | 56.6% | 10.00 | 10.00 | +0.0% |" in table
+    assert "| plain | 0 | 1 | 15.1% | 8.00 | - | +7.5% |" in table
+    assert "batch size 4" not in table
