@@ -13,7 +13,7 @@ Policies: ``fixed:N``; ``auto`` (the product's controller, as ``step.make_contro
 with the table for its latency model: no start-up profile, no exploration), and ``auto`` with
 ``ControlConfig`` fields overridden: ``auto:hold=8:holdmax=32:hard=1:tie=0.01:obs=4:decay=0.5``
 (``hold_steps``, ``hold_max_steps``, ``hard_plain_steps``, ``tie_rtol``, ``held_observe_every``,
-``choice_decay``). Batches are static
+``choice_decay``; every key: ``step.AUTO_OVERRIDES``). Batches are static
 (``--batch-size`` prompts from start to end, shrinking as they finish), not SGLang's continuous
 batching: arrivals are not simulated.
 
@@ -28,7 +28,6 @@ step (budget 0: per forward).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -60,14 +59,6 @@ DEFAULT_CELLS_MS = {  # batch-size bucket -> C(bs, N) for N in BUDGETS
 # steps, which AFTER_PLAIN_MS charges, and arrivals).
 FORECAST_MS = 1.0
 AFTER_PLAIN_MS = 0.5
-AUTO_KEYS = {
-    "hold": ("hold_steps", int),
-    "holdmax": ("hold_max_steps", int),
-    "hard": ("hard_plain_steps", int),
-    "tie": ("tie_rtol", float),
-    "obs": ("held_observe_every", int),
-    "decay": ("choice_decay", float),
-}
 
 
 class ClockedController(BudgetController):
@@ -98,21 +89,15 @@ def controller_for(policy: str, engine, cells_s, forecast_s, after_plain_s) -> B
         budget = int(options[0])
         config = ControlConfig(budgets=(budget,), fixed_budget=budget)
         return ClockedController(config, None, cells_s, forecast_s, after_plain_s)
-    if name != "auto":
-        raise SystemExit(f"budget_sim: unknown policy {policy!r} (fixed:N or auto[:k=v...])")
-    fields = {"profile_steps": 0, "explore_every": 0}
-    for option in options:
-        key, _, value = option.partition("=")
-        if key not in AUTO_KEYS:
-            raise SystemExit(f"budget_sim: unknown auto option {key!r} (one of {list(AUTO_KEYS)})")
-        field_name, kind = AUTO_KEYS[key]
-        fields[field_name] = kind(value)
+    try:
+        fields = {"profile_steps": 0, "explore_every": 0} | step.auto_overrides(policy)
+    except ValueError as error:
+        raise SystemExit(f"budget_sim: {error} (or fixed:N)") from None
     buckets = tuple(sorted(cells_s))
     latency = LatencyModel([list(cells_s[b]) for b in buckets], BUDGETS, bs_buckets=buckets)
     max_depth = engine.drafter.block_size - 1
-    product = step.make_controller(engine.config, max_depth, MAX_REQUESTS, "cpu", latency)
-    config = dataclasses.replace(product.config, **fields)
-    return ClockedController(config, latency, cells_s, forecast_s, after_plain_s)
+    product = step.make_controller(engine.config, max_depth, MAX_REQUESTS, "cpu", latency, fields)
+    return ClockedController(product.config, latency, cells_s, forecast_s, after_plain_s)
 
 
 class PolicyRun(NamedTuple):

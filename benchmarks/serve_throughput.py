@@ -28,7 +28,9 @@ resolve, so a replica measures that spread in the run itself (:func:`replica_spr
 ``SERVER/N`` runs budget N inside the auto server ``SERVER`` (e.g. ``ddtree:auto/8``): its
 requests pin the step's budget (``custom_params``, under the plugin's
 ``SGLANG_TREE_SPEC_PIN_BUDGET``), so the server measures its auto against its own fixed budgets
-with no server offset between them (:func:`auto_vs_own_fixed`).
+with no server offset between them (:func:`auto_vs_own_fixed`); ``SERVER/auto:key=value...``
+(e.g. ``ddtree:auto/auto:hard=0``) runs a second auto controller with those settings
+(``step.AUTO_OVERRIDES``) in the same server, compared like its auto.
 
     python benchmarks/serve_throughput.py                    # CPU, the shipped small pair
     python benchmarks/serve_throughput.py --quick            # none / chain / auto, minutes
@@ -60,6 +62,7 @@ from typing import Any
 from common import command_line, environment
 from tqdm import tqdm
 
+from sglang_tree_spec import step
 from sglang_tree_spec.config import candidate_budgets
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
@@ -128,17 +131,27 @@ def server_of(config: str) -> str:
     return config.split(PIN, 1)[0]
 
 
-def pinned_budget(config: str, candidates: tuple[int, ...] | None = None) -> int | None:
-    """``SERVER/N`` -> N (its requests pin budget N in SERVER's server), else None; N must be
-    one of ``candidates`` (auto's budgets) when given: the server ignores any other pin."""
+def pin_of(config: str, candidates: tuple[int, ...] | None = None) -> int | str | None:
+    """``SERVER/N`` -> N (its requests pin budget N in SERVER's server; N must be one of
+    ``candidates``, auto's budgets, when given: the server ignores any other pin);
+    ``SERVER/auto:key=value...`` -> that string (a second auto controller with those settings
+    in SERVER's server, ``step.auto_overrides``); else None."""
     if PIN not in config:
         return None
-    server, budget = config.split(PIN, 1)
-    if not budget.isdigit() or not base_config(server).endswith(":auto"):
-        raise SystemExit(f"{config!r}: a pinned budget is AUTO_SERVER/N, e.g. ddtree:auto/8")
-    if candidates is not None and int(budget) not in candidates:
-        raise SystemExit(f"{config!r}: {budget} is not one of auto's budgets {candidates}")
-    return int(budget)
+    server, pin = config.split(PIN, 1)
+    if not base_config(server).endswith(":auto"):
+        raise SystemExit(f"{config!r}: a pin is AUTO_SERVER/N or AUTO_SERVER/auto:key=value")
+    if pin.startswith("auto"):
+        try:
+            step.auto_overrides(pin)
+        except ValueError as error:
+            raise SystemExit(f"{config!r}: {error}") from None
+        return pin
+    if not pin.isdigit():
+        raise SystemExit(f"{config!r}: a pin is AUTO_SERVER/N or AUTO_SERVER/auto:key=value")
+    if candidates is not None and int(pin) not in candidates:
+        raise SystemExit(f"{config!r}: {pin} is not one of auto's budgets {candidates}")
+    return int(pin)
 
 
 def auto_budgets(args: argparse.Namespace) -> tuple[int, ...]:
@@ -194,7 +207,9 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
     )
 
 
-def stream_one(base_url: str, prompt: list[int], new_tokens: int, pin: int | None = None) -> dict:
+def stream_one(
+    base_url: str, prompt: list[int], new_tokens: int, pin: int | str | None = None
+) -> dict:
     """One streamed greedy request: its output ids, TTFT, chunk gaps and SGLang's meta.
     ``pin``: the budget its decode steps run at (a pinned configuration's request)."""
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
@@ -265,7 +280,7 @@ def run_wave(
     prompts: list[list[int]],
     concurrency: int,
     new_tokens: int,
-    pin: int | None = None,
+    pin: int | str | None = None,
 ) -> dict:
     """All prompts at ``concurrency`` requests in flight: the replies and the wall time."""
     start = time.perf_counter()
@@ -306,12 +321,15 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def warm_up(base_url: str, prompts: list[list[int]], new_tokens: int) -> None:
+def warm_up(
+    base_url: str, prompts: list[list[int]], new_tokens: int, pin: int | str | None = None
+) -> None:
     """One unmeasured wave at the round's concurrency (``len(prompts)`` requests at once), for
     every configuration alike: a server's first steps at a batch size are not its steady
     state (under ``ddtree:auto`` they are the in-line profile of that batch-size bucket, a
-    once-per-server cost that would otherwise land in a short round)."""
-    run_wave(base_url, prompts, len(prompts), new_tokens)
+    once-per-server cost that would otherwise land in a short round; an auto variant pinned in
+    a server, ``SERVER/auto:...``, profiles too)."""
+    run_wave(base_url, prompts, len(prompts), new_tokens, pin)
 
 
 def measure(
@@ -322,7 +340,7 @@ def measure(
     measured waves per configuration, interleaved (the order rotating each repeat) so that
     drifts of this machine's speed fall on every configuration alike. Returns each
     configuration's rows, one per concurrency."""
-    pins = {config: pinned_budget(config, auto_budgets(args)) for config in configs}
+    pins = {config: pin_of(config, auto_budgets(args)) for config in configs}
     servers: dict[str, tuple[Any, str]] = {}
     try:
         for server in dict.fromkeys(map(server_of, configs)):
@@ -340,6 +358,9 @@ def measure(
                 before = {}
                 for server, (_, url) in servers.items():
                     warm_up(url, prompts[:c], args.new_tokens)
+                    for config in configs:  # its auto variants: their own profiles
+                        if server_of(config) == server and isinstance(pins[config], str):
+                            warm_up(url, prompts[:c], args.new_tokens, pins[config])
                     before[server] = ddtree_metrics(url)
                 waves: dict[str, list] = {config: [] for config in configs}
                 for repeat in range(args.repeats):
@@ -434,21 +455,23 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
 
 def auto_vs_own_fixed(rows: list[dict]) -> list[dict]:
     """Per concurrency and auto server ``SERVER`` whose budgets ran pinned (``SERVER/N``): the
-    best of them (by tok/s) and SERVER's auto over it (:func:`paired_ratio`): one server
-    process, so no server offset between the two; what is left of the best-of-several bias
-    is the waves' noise."""
+    best of them (by tok/s) and SERVER's auto, and each auto variant pinned in it
+    (``SERVER/auto:...``), over it (:func:`paired_ratio`): one server process, so no server
+    offset between them; what is left of the best-of-several bias is the waves' noise."""
     summary = []
     for conc in sorted({r["concurrency"] for r in rows}):
         at = {r["config"]: r for r in rows if r["concurrency"] == conc}
-        for auto in at:
-            own = [c for c in at if c != auto and server_of(c) == auto]
+        for server in at:
+            pinned = [c for c in at if c != server and server_of(c) == server]
+            own = [c for c in pinned if c.split(PIN, 1)[1].isdigit()]
             if not own:
                 continue
             best = max(own, key=lambda c: at[c]["output_tokens_per_s"])
-            summary.append(
-                {"concurrency": conc, "auto": auto, "best_fixed": best}
-                | paired_ratio(at[auto], at[best])
-            )
+            for auto in [server, *(c for c in pinned if c not in own)]:
+                summary.append(
+                    {"concurrency": conc, "auto": auto, "best_fixed": best}
+                    | paired_ratio(at[auto], at[best])
+                )
     return summary
 
 

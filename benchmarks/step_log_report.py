@@ -11,12 +11,13 @@ predictions miss, by kind of step). Kinds: ``forecast`` (auto chose the budget t
 Reading auto's rows beside the fixed servers' shows where auto's time goes.
 
 When the auto server also ran pinned budgets (``serve_throughput.py``'s ``ddtree:auto/N``: their
-steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, per
-batch size, auto's committed tokens per second over the best pinned budget's and what each of
-auto's (kind, budget) costs it: its time share, its mean step against the pinned budget's at
-that batch size, and its loss, the time its steps took beyond what the best pinned budget
-needs for their tokens, as a share of auto's time (the losses sum to 1 - auto / best; a
-negative loss: those steps did better than the best budget's average).
+steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, for
+auto and each auto variant pinned there (``steps_auto-pinauto..._<pid>.csv``), per batch size,
+its committed tokens per second over the best pinned budget's and what each of its (kind,
+budget) costs it: its time share, its mean step against the pinned budget's at that batch
+size, and its loss, the time its steps took beyond what the best pinned budget needs for their
+tokens, as a share of its time (the losses sum to 1 - its ratio; a negative loss: those steps
+did better than the best budget's average).
 
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -151,10 +153,12 @@ def main() -> None:
     if not files:
         raise SystemExit(f"no steps_*.csv under {args.folder}")
     tables = [report(path) for path in files]
-    for path in files:
+    for path in files:  # auto and its variants (steps_auto-pinauto..._<pid>.csv)
         pid = path.stem.rsplit("_", 1)[1]
-        pinned = sorted(args.folder.glob(f"steps_auto-pin*_{pid}.csv"))
-        if path.stem.startswith("steps_auto_") and pinned:
+        pinned = [
+            p for p in files if re.fullmatch(rf"steps_auto-pin\d+_{pid}", p.stem)
+        ]  # the pinned budgets of its process
+        if path.stem.startswith(("steps_auto_", "steps_auto-pinauto")) and pinned:
             tables.append(versus_pinned(path, pinned, (1, 2, 4, 8, 16)))
     print("\n\n".join(tables))
 

@@ -18,7 +18,7 @@ vocabulary.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -422,12 +422,44 @@ def _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bo
     return selector.select(topk_logprobs, topk_tokens, bonus, budget)
 
 
+# Auto's settings a policy string overrides, ``auto:hold=8:hard=0`` (benchmarks only: the
+# variants budget_sim.py compares on its simulated clock and serve_throughput.py pins in one
+# auto server): key -> (ControlConfig field, type).
+AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
+    "hold": ("hold_steps", int),
+    "holdmax": ("hold_max_steps", int),
+    "hard": ("hard_plain_steps", int),
+    "tie": ("tie_rtol", float),
+    "obs": ("held_observe_every", int),
+    "decay": ("choice_decay", float),
+    "explore": ("explore_every", int),
+    "margin": ("explore_margin", float),
+}
+
+
+def auto_overrides(policy: str) -> dict[str, object]:
+    """The ``ControlConfig`` fields of an ``auto[:key=value...]`` policy string (see
+    :data:`AUTO_OVERRIDES`); ValueError for anything else."""
+    name, *options = policy.split(":")
+    if name != "auto":
+        raise ValueError(f"DDTREE: {policy!r} is not auto[:key=value...]")
+    fields: dict[str, object] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in AUTO_OVERRIDES:
+            raise ValueError(f"DDTREE: unknown auto option {key!r} (one of {list(AUTO_OVERRIDES)})")
+        field_name, kind = AUTO_OVERRIDES[key]
+        fields[field_name] = kind(value)
+    return fields
+
+
 def make_controller(
     config: TreeConfig,
     max_depth: int,
     max_slots: int,
     device: torch.device | str,
     latency: LatencyModel | None = None,
+    overrides: dict[str, object] | None = None,
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
@@ -437,7 +469,8 @@ def make_controller(
     a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
     forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
-    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run)."""
+    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run). ``overrides``:
+    auto's fields a policy string sets instead (:func:`auto_overrides`)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
@@ -458,7 +491,7 @@ def make_controller(
         plain_long_decay=PLAIN_LONG_DECAY,
         held_observe_every=HELD_OBSERVE_EVERY,
     )
-    return BudgetController(auto, latency, max_slots, device)
+    return BudgetController(replace(auto, **(overrides or {})), latency, max_slots, device)
 
 
 def make_selector(

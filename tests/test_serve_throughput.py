@@ -193,21 +193,24 @@ def test_a_pinned_budget_runs_in_its_auto_server_and_auto_is_compared_with_its_b
     fixed servers; a pinned budget is never a fixed server's, nor an auto, nor a replica of
     the server it runs in (a replica's pin is a replica of the original's pin)."""
     bench = load_benchmark("serve_throughput")
-    assert (bench.server_of("ddtree:auto/8"), bench.pinned_budget("ddtree:auto/8")) == (
+    assert (bench.server_of("ddtree:auto/8"), bench.pin_of("ddtree:auto/8")) == (
         "ddtree:auto",
         8,
     )
     assert bench.server_of("ddtree:auto@2/16") == "ddtree:auto@2"
     assert bench.base_config("ddtree:auto@2/16") == "ddtree:auto/16"
-    assert bench.pinned_budget("ddtree:auto") is None
-    for bad in ("ddtree:8/4", "ddtree:auto/x", "none/0"):
+    assert bench.pin_of("ddtree:auto") is None
+    for bad in ("ddtree:8/4", "ddtree:auto/x", "none/0", "ddtree:8/auto"):
         with pytest.raises(SystemExit, match="AUTO_SERVER/N"):
-            bench.pinned_budget(bad)
+            bench.pin_of(bad)
+    assert bench.pin_of("ddtree:auto/auto:hard=0:hold=4") == "auto:hard=0:hold=4"
+    with pytest.raises(SystemExit, match="unknown auto option 'nope'"):
+        bench.pin_of("ddtree:auto/auto:nope=1")
     budgets = bench.auto_budgets(bench.parse_args([]))
     assert budgets == (0, 4, 8, 16, 32)
-    assert bench.pinned_budget("ddtree:auto/0", budgets) == 0
+    assert bench.pin_of("ddtree:auto/0", budgets) == 0
     with pytest.raises(SystemExit, match="not one of auto's budgets"):
-        bench.pinned_budget("ddtree:auto/5", budgets)
+        bench.pin_of("ddtree:auto/5", budgets)
     assert bench.auto_budgets(bench.parse_args(["--auto-candidates", "0,2,8"])) == (0, 2, 8)
     rows = [
         row("ddtree:8", 1, [130.0, 130.0]),  # a server of its own: best fixed, not best own
@@ -217,13 +220,15 @@ def test_a_pinned_budget_runs_in_its_auto_server_and_auto_is_compared_with_its_b
         row("ddtree:auto@2", 1, [99.0, 99.0]),
         row("ddtree:auto@2/8", 1, [90.0, 90.0]),  # auto@2's own
         row("ddtree:auto@2/4", 1, [120.0, 120.0]),  # not auto's own
+        row("ddtree:auto/auto:hard=0", 1, [95.0, 95.0]),  # a variant: compared, never best
     ]
     own = bench.auto_vs_own_fixed(rows)
     assert [(v["auto"], v["best_fixed"]) for v in own] == [
         ("ddtree:auto", "ddtree:auto/8"),
+        ("ddtree:auto/auto:hard=0", "ddtree:auto/8"),
         ("ddtree:auto@2", "ddtree:auto@2/4"),
     ]
-    assert [v["ratio"] for v in own] == pytest.approx([1.0, 99 / 120])
+    assert [v["ratio"] for v in own] == pytest.approx([1.0, 0.95, 99 / 120])
     assert (own[0]["wave_min"], own[0]["wave_max"]) == pytest.approx((100 / 110, 100 / 90))
     versus = bench.auto_vs_best_fixed(rows)
     assert [(v["auto"], v["best_fixed"]) for v in versus] == [

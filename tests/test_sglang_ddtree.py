@@ -515,15 +515,23 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
             pinned = pool.map(partial(server.generate, custom_params={PIN_PARAM: 8}), prompts[:4])
             pinned = [reply["output_ids"] for reply in pinned]
             assert pinned == baseline["sequential"][:4]
-        for bad in (5, "8", [8], 5):
+            variant = pool.map(
+                partial(server.generate, custom_params={PIN_PARAM: "auto:hard=0:hold=2"}),
+                prompts[:4],
+            )
+            assert [reply["output_ids"] for reply in variant] == baseline["sequential"][:4]
+        for bad in (5, "8", [8], "auto:nope=1", 5):
             reply = server.generate(prompts[1], custom_params={PIN_PARAM: bad})
             assert reply["output_ids"] == baseline["sequential"][1]
     text = log.read_text()
-    assert text.count("is not one of the server's budgets") == 3  # 5, "8", [8]: once each
+    assert text.count("is neither one of the server's budgets") == 4  # once each bad pin
     (pin_log,) = step_log.glob("steps_auto-pin8_*.csv")
     pin_steps = pin_log.read_text().splitlines()[1:]
     assert len(pin_steps) >= NEW_TOKENS // 8  # (bs, budget, drafted, forecast, ...)
     assert {tuple(line.split(",")[1:4]) for line in pin_steps} == {("8", "1", "0")}
+    (variant_log,) = step_log.glob("steps_auto-pinauto_hard0_hold2_*.csv")
+    variant_steps = [line.split(",") for line in variant_log.read_text().splitlines()[1:]]
+    assert len({line[1] for line in variant_steps}) >= 3  # an auto of its own: its profile
     assert "auto over (0, 4, 8, 16, 32)" in text
     counts = re.findall(r"DDTREE budgets over \d+ steps: (\{[^}]*\})", text)
     assert counts and len(ast.literal_eval(counts[-1])) >= 3  # profiled, then chosen

@@ -49,7 +49,13 @@ from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
 from sglang_tree_spec.plugin.pending import RecentOutputs
 from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_seed
 from sglang_tree_spec.plugin.validation import tree_config
-from sglang_tree_spec.step import Sampling, decode_step, make_controller, make_selector
+from sglang_tree_spec.step import (
+    Sampling,
+    auto_overrides,
+    decode_step,
+    make_controller,
+    make_selector,
+)
 from sglang_tree_spec.step_times import PhaseTimer, StepLog
 from sglang_tree_spec.tree.draft_vocab import DraftVocab, check_token_map, draft_vocab
 
@@ -57,10 +63,12 @@ logger = logging.getLogger(__name__)
 BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto only)
 # Benchmarks only: with this variable set to 1, a decode batch whose first request carries
 # ``custom_params={"ddtree_budget": N}`` (N one of the server's candidate budgets) runs at the
-# fixed budget N, the steps of a fixed-budget server, so one server measures its own auto
-# against its own fixed budgets (``benchmarks/serve_throughput.py``'s ``ddtree:auto/N``): on
-# this CPU two servers of one command differ by up to ~5% for a whole run, more than what
-# sets auto apart from the best fixed budget. Off: the parameter is ignored.
+# fixed budget N, the steps of a fixed-budget server, and on an auto server one carrying an
+# ``auto:key=value`` string runs a second auto controller with those settings; so one server
+# measures its own auto against its own fixed budgets and variants
+# (``benchmarks/serve_throughput.py``'s ``ddtree:auto/N``): on this CPU two servers of one
+# command differ by up to ~5% for a whole run, more than what sets auto apart from the best
+# fixed budget. Off: the parameter is ignored.
 PIN_ENV_FLAG = "SGLANG_TREE_SPEC_PIN_BUDGET"
 PIN_PARAM = "ddtree_budget"
 
@@ -231,31 +239,50 @@ def _define_worker() -> type:
 
         def step_controller(self, reqs: list[Any]) -> tuple[Any, StepLog | None]:
             """The decode step's budget controller and step log: the server's, or under
-            :data:`PIN_ENV_FLAG` a fixed controller at the budget the batch's first request
-            pins and a step log of its own (``steps_<label>-pin<N>_<pid>.csv``), one per budget,
-            built at its first use. A pin that is not one of the server's candidate budgets is
-            ignored, with a warning."""
+            :data:`PIN_ENV_FLAG` the one the batch's first request pins (:meth:`_pinned_controller`)
+            with a step log of its own (``steps_<label>-pin<pin>_<pid>.csv``), one per pin,
+            built at its first use. A pin that names neither is ignored, with a warning."""
             if self._pinned is None:
                 return self.controller, self._step_log
             params = reqs[0].sampling_params.custom_params
-            budget = params.get(PIN_PARAM) if isinstance(params, dict) else None
-            if budget is None:
+            pin = params.get(PIN_PARAM) if isinstance(params, dict) else None
+            if pin is None:
                 return self.controller, self._step_log
-            key = repr(budget)  # any JSON value (a list is not hashable)
+            key = repr(pin)  # any JSON value (a list is not hashable)
             if key not in self._pinned:
-                if type(budget) is not int or budget not in self.config.budgets:
+                controller = self._pinned_controller(pin)
+                if controller is None:
                     logger.warning(
-                        "DDTREE: %s=%s is not one of the server's budgets %s: ignored",
+                        "DDTREE: %s=%s is neither one of the server's budgets %s nor, on an "
+                        "auto server, an auto[:key=value...] variant: ignored",
                         PIN_PARAM, key, self.config.budgets,
                     )  # fmt: skip
                     self._pinned[key] = (self.controller, self._step_log)  # warned once
                 else:
-                    fixed = replace(self.config, budget=budget, auto=False, candidates=None)
-                    rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
-                    controller = make_controller(fixed, self.block_size - 1, rows, self.device)
-                    log = StepLog.from_env(f"{self._label}-pin{budget}")
+                    label = str(pin).replace(":", "_").replace("=", "")
+                    log = StepLog.from_env(f"{self._label}-pin{label}")
                     self._pinned[key] = (controller, log)
             return self._pinned[key]
+
+        def _pinned_controller(self, pin: Any) -> Any:
+            """A fixed controller at budget ``pin`` (one of the server's candidates), or on an
+            auto server a second auto controller with ``pin``'s settings
+            (``auto:hard=0``, :func:`~sglang_tree_spec.step.auto_overrides`; its own latency
+            model and calibration): a variant measured in the same process as the server's
+            own. None for anything else."""
+            rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+            depth = self.block_size - 1
+            if type(pin) is int and pin in self.config.budgets:
+                fixed = replace(self.config, budget=pin, auto=False, candidates=None)
+                return make_controller(fixed, depth, rows, self.device)
+            if not isinstance(pin, str) or not self.config.auto:
+                return None
+            try:
+                overrides = auto_overrides(pin)
+                latency = self._latency_model()
+                return make_controller(self.config, depth, rows, self.device, latency, overrides)
+            except ValueError:
+                return None
 
         @property
         def recent(self) -> RecentOutputs:
@@ -318,6 +345,9 @@ def _define_worker() -> type:
                 self._observe_prompts(batch.reqs)
                 rows = batch.req_pool_indices.to(torch.int64)
                 self.controller.reset(rows)
+                for pinned, _ in (self._pinned or {}).values():
+                    if pinned is not self.controller:  # (an ignored pin runs the server's)
+                        pinned.reset(rows)
                 if self._deferred is not None:
                     self._deferred.reset(compat.req_rows(batch.reqs))
                 outputs_before = [len(req.output_ids) for req in batch.reqs]
