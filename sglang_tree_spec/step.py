@@ -430,6 +430,7 @@ AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
     "holdmax": ("hold_max_steps", int),
     "hard": ("hard_plain_steps", int),
     "tie": ("tie_rtol", float),
+    "switch": ("switch_rtol", float),
     "obs": ("held_observe_every", int),
     "decay": ("choice_decay", float),
     "explore": ("explore_every", int),
