@@ -699,17 +699,19 @@ def main(argv: list[str] | None = None) -> dict:
         args.drafter = random_drafter(args.drafter, logs / "random-drafter")
     if args.device == "cpu":
         results = measure(args, args.configs, prompts, logs)
-    else:  # a GPU holds one server's weights and KV pool at a time
+    else:  # a GPU holds one server's weights and KV pool at a time (its pins with it)
         results = {}
-        for config in args.configs:
+        for server in dict.fromkeys(map(server_of, args.configs)):
+            mine = [c for c in args.configs if server_of(c) == server]
             try:
-                results |= measure(args, [config], prompts, logs)
+                results |= measure(args, mine, prompts, logs)
             except Exception as error:  # one broken server must not lose the rest
-                print(f"{config}: FAILED, left out of the table: {error}", flush=True)
+                print(f"{server}: FAILED, left out of the table: {error}", flush=True)
                 continue
-            for row in results[config]:  # as it goes: a run cut short still shows these
-                print(f"{config} c{row['concurrency']}: {row['output_tokens_per_s']} tok/s",
-                      flush=True)  # fmt: skip
+            for config in mine:  # as it goes: a run cut short still shows these
+                for row in results[config]:
+                    print(f"{config} c{row['concurrency']}: {row['output_tokens_per_s']} tok/s",
+                          flush=True)  # fmt: skip
     rows = table_rows(results)
     env |= {
         "target": str(args.target),

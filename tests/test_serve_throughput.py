@@ -248,3 +248,29 @@ def test_a_pinned_budget_runs_in_its_auto_server_and_auto_is_compared_with_its_b
     table = summary_table(bench, rows)
     assert "| 1 | ddtree:auto | ddtree:auto/8 | 1.000 |" in table
     assert "| 1 | ddtree:auto@2 | ddtree:auto@2/4 | 0.825 |" in table
+
+
+def test_on_a_gpu_each_server_runs_alone_with_its_pinned_configurations(tmp_path, monkeypatch):
+    """A GPU holds one server at a time: the run measures server by server, and a pinned
+    ``SERVER/N`` runs with its SERVER (in the same process), not in a server of its own."""
+    bench = load_benchmark("serve_throughput")
+    calls = []
+
+    def fake_measure(args, configs, prompts, logs):
+        calls.append(configs)
+        return {
+            c: [{"concurrency": 1, "output_tokens_per_s": 10.0, "repeats_tokens_per_s": [10.0],
+                 "tau": 1.0, "ttft_p50_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
+                 "control": bench.control_summary({}, {}), "outputs": [[1]]}]
+            for c in configs
+        }  # fmt: skip
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    configs = ["none", "ddtree:auto", "ddtree:8", "ddtree:auto/8", "ddtree:auto/auto:hard=0"]
+    bench.main(["--device", "cuda", "--configs", *configs, "--concurrency", "1",
+                "--out", str(tmp_path / "t.json"), "--logs", str(tmp_path / "logs")])  # fmt: skip
+    assert calls == [
+        ["none"],
+        ["ddtree:auto", "ddtree:auto/8", "ddtree:auto/auto:hard=0"],
+        ["ddtree:8"],
+    ]
