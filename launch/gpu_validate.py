@@ -4,12 +4,12 @@ Plans and runs, on one CUDA GPU with no network: the environment (an offline sit
 ``launch/gpu-site.sh``, or the SGLang already installed), the GPU exactness tests
 (``tests/test_gpu_exactness.py``: DDTREE vs no speculation, greedy, triton and flashinfer), the
 tree-build timing on the device (``benchmarks/tree_build.py``) and the throughput table
-(``benchmarks/serve_throughput.py``: none / SGLang's DFLASH chain / DDTREE at two budgets,
-concurrency 1 to 16, per backend). Every step has a time budget (the whole plan fits in 30
-minutes on one H100) and its own log; everything goes to one folder under
-``benchmarks/results/`` with ``summary.json`` / ``summary.md``: device, versions, every command,
-each step's status and wall time. ``--dry-run`` prints the plan and writes the same files with
-every step ``planned`` (no GPU needed).
+(``benchmarks/serve_throughput.py``: none / SGLang's DFLASH chain / DDTREE auto, with two fixed
+budgets pinned in the auto server, concurrency 1 to 16, per backend). Every step has a time
+budget (the whole plan fits in 30 minutes on one H100) and its own log; everything goes to one
+folder under ``benchmarks/results/`` with ``summary.json`` / ``summary.md``: device, versions,
+every command, each step's status and wall time. ``--dry-run`` prints the plan and writes the
+same files with every step ``planned`` (no GPU needed).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the plugin's pure-Python config (no torch, no SGLang)
+from sglang_tree_spec.config import candidate_budgets  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 ASSETS = ROOT / "sglang_tree_spec" / "assets"
 SMALL_PAIR = (ASSETS / "small-pair" / "target", ASSETS / "small-pair" / "drafter")
@@ -292,7 +295,14 @@ def measure_steps(
     ))  # fmt: skip
     flashinfer = facts["head_dim"] in FLASHINFER_HEAD_DIMS and not args.quick
     backends = ["triton"] + (["flashinfer"] if flashinfer else [])
-    budgets = [f"ddtree:{small}"] if args.quick else [f"ddtree:{small}", f"ddtree:{large}"]
+    # the fixed budgets run pinned inside the auto server (serve_throughput's SERVER/N): one
+    # server fewer each, and auto measured against its own server's budgets (no server offset)
+    pinned = [small] if args.quick else [small, large]
+    configs = ["none", "dflash", "ddtree:auto", *(f"ddtree:auto/{b}" for b in pinned)]
+    auto = ["--auto-max-budget", str(large)]
+    if small not in candidate_budgets(large):  # a --budgets SMALL outside auto's: joins them
+        candidates = sorted({*candidate_budgets(large), small})
+        auto += ["--auto-candidates", ",".join(map(str, candidates))]
     for backend in backends:
         name = f"serve_throughput_cuda_{backend}.json"
         steps.append(Step(
@@ -300,15 +310,14 @@ def measure_steps(
             [python, "benchmarks/serve_throughput.py", "--device", "cuda",
              "--attention-backend", backend, "--dtype", "bfloat16",
              "--target", str(target), "--drafter", str(drafter),
-             "--configs", "none", "dflash", *budgets, "ddtree:auto",
-             "--auto-max-budget", str(large),
+             "--configs", *configs, *auto,
              "--concurrency", *map(str, args.concurrency), "--prompts", "16",
              "--prompt-tokens", "256", "--new-tokens", "64" if args.quick else "96",
              "--max-total-tokens", "65536",
              "--logs", str(out / f"servers-{backend}"), "--out", str(out / name)],
             380 if args.quick else 270 if len(backends) == 2 else 420,
-            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE "
-            + " / ".join(f"B{b.split(':')[1]}" for b in budgets) + " / auto, "
+            f"output tokens/s, {backend}: none / DFLASH chain / DDTREE auto and, pinned in "
+            "its server, " + " / ".join(f"B{b}" for b in pinned) + ", "
             f"concurrency {'/'.join(map(str, args.concurrency))}", env=server_env, outputs=[name],
         ))  # fmt: skip
     steps.append(Step(
@@ -355,7 +364,9 @@ def measure_steps(
         "overlap scheduling: on for every DDTREE server (SGLang's default; the exactness step "
         "also runs DDTREE with --disable-overlap-schedule and checks each log says which)",
         "DDTREE auto (budget control): the throughput step's ddtree:auto rows show the budgets "
-        "chosen per concurrency and the latency model's step-time error (from /metrics)",
+        "chosen per concurrency and the latency model's step-time error (from /metrics); its "
+        "table 'Auto against the best of its own server's budgets' compares it with the fixed "
+        "budgets pinned in the same server",
         "the servers' own logs: CUDA graph state is checked by "
         "test_ddtree_cuda_graphs_are_what_the_plugin_says (gpu_exactness.xml)",
         "flashinfer JIT-compiles its kernels on first use unless its cubins are installed; "

@@ -59,7 +59,7 @@ def test_dry_run_prints_every_command_of_the_plan(dry_run):
         f"GPU_EXACTNESS_TARGET={small}",
         f"benchmarks/tree_build.py --device cuda --out {out}/tree_build_cuda.json",
         "benchmarks/serve_throughput.py --device cuda --attention-backend triton",
-        "--configs none dflash ddtree:8 ddtree:32 ddtree:auto --auto-max-budget 32",
+        "--configs none dflash ddtree:auto ddtree:auto/8 ddtree:auto/32 --auto-max-budget 32 --c",
         "--concurrency 1 2 4 8 16",
         f"--logs {out}/servers-triton --out {out}/serve_throughput_cuda_triton.json",
         "SGLANG_TREE_SPEC_STEP_TIMES=25",  # the phases step: the server logs its step times
@@ -125,8 +125,29 @@ def test_dry_run_with_site_parts_plans_the_offline_install(tmp_path):
     for name in ("exactness", "tree-build", "throughput-triton", "throughput-flashinfer"):
         assert steps[name]["env"]["PYTHONPATH"] == str(site)
     # Planned for SmolLM2 (block 16, head_dim 64): both backends, budgets 16 and 64.
-    assert "--configs none dflash ddtree:16 ddtree:64" in steps["throughput-flashinfer"]["command"]
+    flashinfer = steps["throughput-flashinfer"]["command"]
+    assert "--configs none dflash ddtree:auto ddtree:auto/16 ddtree:auto/64 --auto" in flashinfer
     assert summary["budget_s"] <= 30 * 60
+
+
+def test_the_fixed_budgets_are_pinned_in_the_auto_server_among_its_candidates(tmp_path):
+    """The throughput table's fixed budgets run in the auto server (``ddtree:auto/N``); a
+    ``--budgets SMALL`` that is not one of auto's candidates joins them (serve_throughput
+    refuses a pin outside them), a default one adds nothing."""
+    out = tmp_path / "results"
+    result = gpu_validate("--dry-run", "--budgets", "12", "48", "--out", str(out),
+                          cache=tmp_path / "cache")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
+    table = steps["throughput-triton"]["command"]
+    assert "--configs none dflash ddtree:auto ddtree:auto/12 ddtree:auto/48 " in table
+    assert "--auto-max-budget 48 --auto-candidates 0,4,8,12,16,32,48 " in table
+    assert (
+        "--auto-candidates"
+        not in gpu_validate(
+            "--dry-run", "--budgets", "8", "48", "--out", str(out), cache=tmp_path / "cache"
+        ).stdout
+    )
 
 
 def test_only_keeps_the_installs_and_the_steps_named(tmp_path):
@@ -208,7 +229,8 @@ def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path):
     exactness, table = steps["exactness"], steps["throughput-triton"]
     quick_cases = "-k 'triton and (baseline or small-none-overlap or large-none-sync)'"
     assert quick_cases in exactness["command"]
-    assert "--configs none dflash ddtree:8 ddtree:auto --auto-max-budget 32" in table["command"]
+    quick_table = "--configs none dflash ddtree:auto ddtree:auto/8 --auto-max-budget 32 --c"
+    assert quick_table in table["command"]
     for step in (exactness, table):
         assert step["env"]["SGLANG_TREE_SPEC_SERVER_ARGS"] == "--disable-prefill-cuda-graph"
     assert steps["environment"]["budget_s"] + exactness["budget_s"] < 600

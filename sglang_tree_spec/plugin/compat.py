@@ -121,6 +121,11 @@ REQ_ATTRIBUTES = (
     "grammar",
 )
 
+# Fields of a Req's ``sampling_params`` (SGLang's ``SamplingParams``) the worker reads: the HTTP
+# API's ``custom_params`` carries a benchmark's budget pin (worker.py, ``PIN_PARAM``); checked on
+# a real SamplingParams by tests/test_compat.py.
+SAMPLING_PARAMS_ATTRIBUTES = ("custom_params",)
+
 # Where a Req keeps its ``req_to_token`` row, per release (0.5.23 moved it into the request's KV
 # state, ``req.kv``): read by :func:`req_rows` (the deferred drafter context's host rows).
 REQ_ROW: dict[str, str] = {"0.5.17": "req_pool_idx", "0.5.23": "kv.req_pool_idx"}
