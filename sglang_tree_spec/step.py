@@ -424,8 +424,12 @@ def _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bo
 
 # Auto's settings a policy string overrides, ``auto:hold=8:hard=0`` (benchmarks only: the
 # variants budget_sim.py compares on its simulated clock and serve_throughput.py pins in one
-# auto server): key -> (ControlConfig field, type).
+# auto server): key -> (ControlConfig field, type); a ``latency.`` field is its latency
+# model's ``LatencyConfig`` field (one the model reads as it records, not at construction).
 AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
+    "pair": ("latency.pair_rate", float),
+    "clip": ("latency.pair_clip", float),
+    "first": ("latency.first_steps", int),
     "hold": ("hold_steps", int),
     "holdmax": ("hold_max_steps", int),
     "hard": ("hard_plain_steps", int),
@@ -450,7 +454,11 @@ def auto_overrides(policy: str) -> dict[str, object]:
         if key not in AUTO_OVERRIDES:
             raise ValueError(f"DDTREE: unknown auto option {key!r} (one of {list(AUTO_OVERRIDES)})")
         field_name, kind = AUTO_OVERRIDES[key]
-        fields[field_name] = kind(value)
+        if field_name.startswith("latency."):
+            latency = fields.setdefault("latency", {})
+            latency[field_name.removeprefix("latency.")] = kind(value)
+        else:
+            fields[field_name] = kind(value)
     return fields
 
 
@@ -471,7 +479,8 @@ def make_controller(
     forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
     drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run). ``overrides``:
-    auto's fields a policy string sets instead (:func:`auto_overrides`)."""
+    auto's fields a policy string sets instead (:func:`auto_overrides`; its ``latency`` fields
+    set ``latency``'s config)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
@@ -492,7 +501,10 @@ def make_controller(
         plain_long_decay=PLAIN_LONG_DECAY,
         held_observe_every=HELD_OBSERVE_EVERY,
     )
-    return BudgetController(replace(auto, **(overrides or {})), latency, max_slots, device)
+    fields = dict(overrides or {})
+    if "latency" in fields:
+        latency.config = replace(latency.config, **fields.pop("latency"))
+    return BudgetController(replace(auto, **fields), latency, max_slots, device)
 
 
 def make_selector(

@@ -1282,6 +1282,34 @@ def test_a_larger_budget_must_beat_the_best_smaller_one_by_the_tie_margin():
     assert best_budget(clear, seconds, budgets, max_budget=8, tie_rtol=auto.tie_rtol) == 4
 
 
+def test_a_policy_strings_latency_keys_set_its_own_latency_models_config():
+    """``auto:pair=0.05:hold=4`` (a benchmark's auto variant): ``hold`` is a ControlConfig
+    field, ``pair`` its latency model's ``LatencyConfig.pair_rate``, which then moves a switch's
+    cells by that rate; a controller made without overrides leaves its model's config alone."""
+    from sglang_tree_spec.config import TreeConfig
+    from sglang_tree_spec.step import HOLD_STEPS, auto_overrides, make_controller
+
+    fields = auto_overrides("auto:pair=0.05:hold=4")
+    assert fields == {"latency": {"pair_rate": 0.05}, "hold_steps": 4}
+    config = TreeConfig(budget=16, auto=True)
+    budgets = config.budgets
+
+    def switches(overrides):
+        model = LatencyModel([[0.01] * len(budgets)], budgets, bs_buckets=(1,))
+        ctl = make_controller(config, 15, 8, "cpu", model, overrides)
+        for seconds in [0.010] * 3 + [0.012] * 3 + [0.010, 0.0125] * 20:  # B 4, B 8, switches
+            ctl.record_step(1, 4 if seconds == 0.010 else 8, seconds)
+        return ctl, model
+
+    ctl, model = switches(fields)
+    assert ctl.config.hold_steps == 4 and model.config.pair_rate == 0.05
+    plain, default = switches(None)
+    assert plain.config.hold_steps == HOLD_STEPS and default.config == LatencyConfig()
+    eight, four = budgets.index(8), budgets.index(4)
+    gap = [m._cost[0, eight] - m._cost[0, four] for m in (model, default)]  # log cost B8 - B4
+    assert math.log(1.2) < gap[0] < gap[1] < math.log(1.25)  # the slower rate lags the switches
+
+
 def test_the_log_line_shows_each_cells_time_and_measured_steps():
     """``latency_line``: C(bs, N) in ms and how many steps its cell has measured (a cell of
     few steps is the first suspect when auto avoids a budget)."""
