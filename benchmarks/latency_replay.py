@@ -21,8 +21,9 @@ over the whole run). At each forecast step whose batch size has every budget > 0
 measured in the model, it scores the model's ratios of neighbouring budgets against those
 means, and the choice regret of the latency model alone: 1 - the true tokens/s of the budget
 the model's row would choose for the pinned budgets' mean tokens per step over the best
-one's. ``--latency KEY=VALUE`` sets a ``LatencyConfig`` field, so estimators can be compared
-on real times (a truth that is a whole run's mean favours slow estimators).
+one's. ``--latency KEY=VALUE`` sets a ``LatencyConfig`` field of the replayed model (in either
+mode), so estimators can be compared on real times (a truth that is a whole run's mean favours
+slow estimators).
 
     python benchmarks/latency_replay.py benchmarks/results/steps_auto_cpu_small_pair_c4_c8.csv
     python benchmarks/latency_replay.py DIR/steps_auto_123.csv --truth DIR --latency pair_rate=0.05
@@ -62,13 +63,22 @@ def true_seconds(bs: int, budget: int, shifted: bool) -> float:
     return cost * (1.25 if shifted and budget >= 16 else 1.0) / 1e3
 
 
+def fresh_model(args: argparse.Namespace) -> tuple[LatencyModel, BudgetController]:
+    """A latency model with a flat prior (``--latency``'s config) and a controller that
+    records into it by the product's rules (no forecast step, no drafted budget 0,
+    forgetting)."""
+    model = LatencyModel(
+        [[0.01] * len(BUDGETS)] * len(EXACT_BS_BUCKETS), BUDGETS, EXACT_BS_BUCKETS,
+        LatencyConfig(**args.latency),
+    )  # fmt: skip
+    config = ControlConfig(budgets=BUDGETS, hold_steps=HOLD_STEPS, forget_after=args.forget_after)
+    return model, BudgetController(config, model, max_slots=1)
+
+
 def replay(steps, args: argparse.Namespace, seed: int) -> list[float]:
     """Log errors of the sampled within-row ratios over one replay (``args.repeats`` passes)."""
     rnd = random.Random(seed)
-    model = LatencyModel([[0.01] * len(BUDGETS)] * len(EXACT_BS_BUCKETS), BUDGETS, EXACT_BS_BUCKETS)
-    # the product's recording rules (no forecast step, no drafted budget 0, forgetting)
-    config = ControlConfig(budgets=BUDGETS, hold_steps=HOLD_STEPS, forget_after=args.forget_after)
-    controller = BudgetController(config, model, max_slots=1)
+    model, controller = fresh_model(args)
     drift, burst_left, burst, errors = 0.0, 0, 0.0, []
     for rep in range(args.repeats):
         shifted = args.shift and rep >= args.repeats // 2
@@ -115,12 +125,7 @@ def pinned_truth(folder: Path) -> dict[tuple[int, int], tuple[float, float]]:
 def replay_real(rows: list[dict], truth: dict, args: argparse.Namespace) -> dict[str, object]:
     """The log's real times into a fresh model; per batch size, the log errors of its
     neighbouring budgets' ratios and the regret of its choice at each scored forecast."""
-    model = LatencyModel(
-        [[0.01] * len(BUDGETS)] * len(EXACT_BS_BUCKETS), BUDGETS, EXACT_BS_BUCKETS,
-        LatencyConfig(**args.latency),
-    )  # fmt: skip
-    config = ControlConfig(budgets=BUDGETS, hold_steps=HOLD_STEPS, forget_after=args.forget_after)
-    controller = BudgetController(config, model, max_slots=1)
+    model, controller = fresh_model(args)
     drafted_budgets = [b for b in BUDGETS if b > 0]
     errors: dict[int, list[float]] = {}
     regrets: dict[int, list[float]] = {}
@@ -165,13 +170,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="a LatencyConfig field of the replayed model (repeatable)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    fields = {f.name: f.type for f in dataclasses.fields(LatencyConfig)}
+    defaults = dataclasses.asdict(LatencyConfig())
     latency = {}
     for item in args.latency:
         key, _, value = item.partition("=")
-        if key not in fields:
-            parser.error(f"--latency {item}: not a LatencyConfig field ({', '.join(fields)})")
-        latency[key] = (int if fields[key] in (int, "int") else float)(value)
+        if key not in defaults:
+            parser.error(f"--latency {item}: not a LatencyConfig field ({', '.join(defaults)})")
+        latency[key] = type(defaults[key])(value)
     args.latency = latency
     if args.truth is not None:
         return main_real(args)
