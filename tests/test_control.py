@@ -27,6 +27,7 @@ from sglang_tree_spec.control import (
     roofline_step_seconds,
     top_nodes,
 )
+from sglang_tree_spec.control.controller import PENDING_STEPS
 from sglang_tree_spec.control.latency import bucket_of
 from sglang_tree_spec.tree import build_ddtree, greedy_accept
 
@@ -290,7 +291,11 @@ def test_latency_refinement_converges_to_measured_times():
     budgets = (0, 8, 32)
     buckets = (1, 4, 16, 64)
     model = LatencyModel.from_roofline(
-        MODEL_SHAPES["llama-3.1-8b"], DEVICES["h200"], budgets, bs_buckets=buckets
+        MODEL_SHAPES["llama-3.1-8b"],
+        DEVICES["h200"],
+        budgets,
+        bs_buckets=buckets,
+        config=LatencyConfig(check_every=1),  # every step checked: the totals are exact
     )
     truth = [[2.0 * p + 3e-3 for p in row] for row in model.prior]  # "a different device"
     assert model.seconds(1, 8) == pytest.approx(model.prior[0][1])  # nothing measured yet
@@ -313,6 +318,24 @@ def test_latency_refinement_converges_to_measured_times():
     for _ in range(30):  # a measured cell drifts (thermal, a neighbour): its EMA follows
         model.record(1, 32, 1.5 * truth[0][2])
     assert model.seconds(1, 32) == pytest.approx(1.5 * truth[0][2], rel=0.02)
+
+
+def test_the_checked_steps_are_an_unbiased_sample_of_a_round_robin():
+    """One recorded step in ``check_every`` is checked against its prediction, at random: a
+    round robin over as many cells as the stride (the start-up profile) still has every cell
+    in the checked sample, so the checked mean time is the recorded mean time."""
+    budgets, every = (0, 4, 8, 16), 4
+    times = [0.010, 0.012, 0.015, 0.020]  # mean 0.01425
+    model = LatencyModel(
+        [times], budgets, bs_buckets=(64,), config=LatencyConfig(check_every=every)
+    )
+    steps = 4000
+    for i in range(steps):
+        model.record(1, budgets[i % 4], times[i % 4])
+    assert model.recorded_steps == pytest.approx(steps / every, rel=0.1)
+    mean = model.measured_seconds / model.recorded_steps
+    assert mean == pytest.approx(sum(times) / 4, rel=0.03)  # a stride of 4 reads 0.010 or 0.020
+    assert model.mean_abs_rel_error() < 0.01  # measured as predicted
 
 
 def test_an_unmeasured_cell_keeps_its_columns_ratio_to_its_rows_measured_cells():
@@ -1407,3 +1430,22 @@ def test_a_forecast_keeps_the_last_choice_within_switch_rtol():
     assert second_choice(0.05, 1.02) == 64  # 32 ahead by 2%: stays
     assert second_choice(0.05, 1.10) == 32  # ahead by 10%: changes
     assert second_choice(0.0, 1.02) == 32  # no margin: changes
+
+
+def test_held_steps_do_no_device_work_and_a_long_run_without_a_read_stays_bounded():
+    """A held step's accept lengths wait, by reference, for the next host read: no device op on
+    the step. A run without a forecast (profiles, long holds) reads them every ``PENDING_STEPS``
+    steps, so no more than that many wait; the totals stay exact across those reads."""
+    budgets, bs = (0, 4, 8), 2
+    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 2, 64))
+    ctl = BudgetController(ControlConfig(budgets=budgets, max_depth=15), flat, max_slots=bs)
+    accept = torch.tensor([1, 2])
+    with torch.autograd.profiler.profile() as prof:
+        ctl.observe_committed(4, accept)
+    assert not [e.name for e in prof.function_events]  # no tensor op at all
+    steps = 3 * PENDING_STEPS + 5
+    for _ in range(steps - 1):
+        ctl.observe_committed(4, accept)
+        assert len(ctl._pending) < PENDING_STEPS
+    stats = ctl.stats()
+    assert stats.accepted_tokens == 3 * steps and stats.request_steps == bs * steps

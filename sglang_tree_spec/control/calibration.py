@@ -40,8 +40,18 @@ other factor), so the two do not both count one effect.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+
+class Factors(NamedTuple):
+    """A batch's calibration factors, ``[bs]`` each: r_i, g_a(i) and the age bucket a(i)
+    (int64) they were read at."""
+
+    request: torch.Tensor
+    age: torch.Tensor
+    buckets: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -148,9 +158,16 @@ class AcceptCalibrator:
         """``[bs]`` g_a for the age of each slot in ``rows`` (``[bs]`` int64)."""
         return self.age_table()[self._age_buckets(rows)]
 
-    def scale(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)."""
-        return self.request_scale(rows) * self.age_scale(rows)
+    def factors(self, rows: torch.Tensor) -> Factors:
+        """Each request's factors (``[bs]`` each) for the batch's slots ``rows``."""
+        buckets = self._age_buckets(rows)
+        return Factors(self.request_scale(rows), self.age_table()[buckets], buckets)
+
+    def scale(self, rows: torch.Tensor, factors: Factors | None = None) -> torch.Tensor:
+        """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)
+        (of ``factors``, :meth:`factors` of ``rows``, when given)."""
+        request, age, _ = self.factors(rows) if factors is None else factors
+        return request * age
 
     def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u) (depths in 1..L)."""
@@ -169,6 +186,7 @@ class AcceptCalibrator:
         calibrated_pred: torch.Tensor,
         accept: torch.Tensor,
         weight: int = 1,
+        factors: Factors | None = None,
     ) -> None:
         """Fold in one verified step; its requests grow ``weight`` steps older.
 
@@ -180,21 +198,20 @@ class AcceptCalibrator:
             accept: ``[bs]`` accepted draft tokens (bonus excluded), in ``mass``'s dtype.
             weight: the steps this one stands for (one of every ``weight``, sampled): its sums
                 count ``weight`` times, after ``weight`` steps' decay.
+            factors: :meth:`factors` of ``rows`` when the caller has them (the state has not
+                changed since), else computed.
         """
         cfg = self.config
         observed = (accept.unsqueeze(1) >= self._depth_ids).to(mass.dtype)  # [bs, L+1]
         step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
         self.depth_sums.mul_(cfg.depth_decay**weight).add_(step, alpha=weight)
-        buckets = self._age_buckets(rows)  # [bs] the ages the predictions were made at
-        request_factor, age_factor = self.request_scale(rows), self.age_table()[buckets]  # [bs]
+        # the factors and age buckets ([bs] each) the predictions were made with
+        request_factor, age_factor, buckets = self.factors(rows) if factors is None else factors
         request = torch.stack([calibrated_pred * age_factor, accept], dim=1)  # [bs, 2]
         age = torch.stack([calibrated_pred * request_factor, accept], dim=1)  # [bs, 2]
-        if weight != 1:
-            request.mul_(weight)
-            age.mul_(weight)
-        decay = cfg.request_decay**weight
-        self.request_sums[rows] = request.add_(self.request_sums[rows], alpha=decay)
-        self.age_sums.mul_(cfg.age_decay**weight).index_add_(0, buckets, age)
+        decayed = self.request_sums[rows].mul_(cfg.request_decay**weight)
+        self.request_sums[rows] = decayed.add_(request, alpha=weight)
+        self.age_sums.mul_(cfg.age_decay**weight).index_add_(0, buckets, age, alpha=weight)
         self.ages[rows] += weight
 
     def reset(self, rows: torch.Tensor) -> None:

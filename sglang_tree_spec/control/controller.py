@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
+from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig, Factors
 from sglang_tree_spec.control.latency import LatencyModel, bucket_of
 from sglang_tree_spec.control.surrogate import (
     DEFAULT_BUDGETS,
@@ -21,6 +21,11 @@ from sglang_tree_spec.control.surrogate import (
     prefix_sums_at,
     rank_nodes,
 )
+
+# Drafted steps whose accept lengths may wait for a host read (BudgetController._count_accepted):
+# a bound on the tensors kept alive where no forecast reads them (the start-up profile, long
+# explorations), one sync in this many steps there.
+PENDING_STEPS = 256
 
 
 def best_budget(
@@ -236,6 +241,7 @@ class Forecast:
         slots: ``[bs, B]`` int64 the ranked nodes' slots in the tree (for :func:`top_nodes`).
         request_scale: ``[bs]`` each request's calibration factor, r_i * g_a(i) (its own
             history's and its age's: :meth:`AcceptCalibrator.scale`).
+        factors: those factors apart (:meth:`AcceptCalibrator.factors`), for the update.
         accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
         expected: ``[bs, C]`` what the choice reads: each request's decayed average of its
             forecasts' ``accept`` (``ControlConfig.choice_decay``; ``accept`` itself at 0).
@@ -247,6 +253,7 @@ class Forecast:
     weights: torch.Tensor
     slots: torch.Tensor
     request_scale: torch.Tensor
+    factors: Factors
     accept: torch.Tensor
     expected: torch.Tensor
 
@@ -270,7 +277,8 @@ class ControlStats:
         budget_counts: steps per chosen budget.
         depth_scale: per-depth calibration factors s_d.
         latency_mean_abs_rel_error: of predicted vs measured step times.
-        latency_steps: how many measured steps that error covers.
+        latency_steps: how many measured steps that error covers (the checked ones, one recorded
+            step in ``LatencyConfig.check_every``).
         latency_predicted_seconds / latency_measured_seconds: those steps' predicted and
             measured times summed (their ratio: the model's bias over a run).
         calibrated_accepted_tokens / calibrated_request_steps: the accepted draft tokens and
@@ -341,15 +349,19 @@ class BudgetController:
         # per request slot: the decayed average of its forecasts' A_i(N), and whether it has one
         self._average_accept = torch.zeros(max_slots, len(config.budgets), device=device)
         self._averaged = torch.zeros(max_slots, dtype=torch.bool, device=device)
-        # draft tokens summed over request-steps: [predicted, accepted, squared weighted error]
-        # over the calibrated ones (held steps sampled, weighted), accepted over every drafted
-        # one; and their counts
-        self._totals = torch.zeros(4, dtype=torch.float64, device=device)
-        self._predicted, self._calibrated, self._squared_error, self._accepted = (
-            self._totals.unbind()  # views
-        )
+        # draft tokens summed over the calibrated request-steps (held steps sampled, weighted):
+        # [predicted, accepted, squared weighted error]; and their count
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)
+        self._weights: dict[int, torch.Tensor] = {}  # weight -> [3] (_total_weights)
         self._calibrated_steps = 0.0
+        # every drafted auto step's accepted draft tokens and request-steps (host). A step's
+        # ``[bs]`` accept lengths (the caller's own tensor, kept by reference: no device op on
+        # the step) wait in ``_pending`` for the next host read (a forecast's, or stats()),
+        # which reads them behind its own values (:meth:`_read`)
+        self._accepted_tokens = 0.0
         self._request_steps = 0
+        self._pending: list[torch.Tensor] = []
+        self._pending_steps: list[tuple[int, bool]] = []  # (batch size, a held step's)
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
@@ -363,12 +375,10 @@ class BudgetController:
         long = config.plain_long_decay
         self._gain_decays = (config.plain_decay,) + (() if long is None else (long,))
         self._drafted_gain = [[0.0, 0.0] for _ in self._gain_decays]
-        # the held steps since the last forecast: their decayed accepted draft tokens per
-        # request (on the device, read with the next forecast's totals) and (budget, batch
-        # size) each (their cost is priced when they are folded in)
-        self._held_decays = torch.tensor(self._gain_decays, device=device)
-        self._held_tokens = torch.zeros(len(self._gain_decays), device=device)
+        # the held steps since the last forecast: (budget, batch size) each (their cost is
+        # priced when they are folded in) and, once read, their accepted draft tokens per request
         self._held: list[tuple[int, int]] = []
+        self._held_accepted: list[float] = []
         self._held_seen = 0  # steps offered to observe_held (its stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
@@ -513,12 +523,21 @@ class BudgetController:
         """
         ranked = rank_nodes(logprobs, depths, valid)
         weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
-        scale = self.calibrator.scale(rows)  # [bs]
+        factors = self.calibrator.factors(rows)
+        scale = self.calibrator.scale(rows, factors)  # [bs]
         accept = prefix_sums_at(weights, self._budgets_t).mul_(scale.unsqueeze(1))
         accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
         expected = self._average(rows, accept)
         return Forecast(
-            rows, ranked.probs, ranked.depths, weights, ranked.slots, scale, accept, expected
+            rows,
+            ranked.probs,
+            ranked.depths,
+            weights,
+            ranked.slots,
+            scale,
+            factors,
+            accept,
+            expected,
         )
 
     def _average(self, rows: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
@@ -561,10 +580,8 @@ class BudgetController:
         self._steps_since_draft = self._arrivals = 0
         self._drafted_steps += 1
         self._resume = None
-        totals_t = (1.0 + forecast.expected).sum(0)  # [C]
-        read = torch.cat([totals_t, self._held_tokens.to(totals_t.dtype)]).tolist()  # THE read
-        totals, held_tokens = read[: len(self.config.budgets)], read[len(self.config.budgets) :]
-        self._fold_held(held_tokens)
+        totals = self._read((1.0 + forecast.expected).sum(0))  # [C] THE read
+        self._fold_held()
         seconds = self.latency.row(bs)
         choice = partial(
             best_budget,
@@ -635,25 +652,24 @@ class BudgetController:
         ]
 
     def observe_committed(self, budget: int, accept_len: torch.Tensor) -> None:
-        """Sync-free, after a drafted step that did not forecast (held, explored or profiled;
+        """Host only, after a drafted step that did not forecast (held, explored or profiled;
         auto): its accepted draft tokens join the metrics' totals and, with plain steps among
         the candidates, its committed tokens per request and its cost in plain forwards join
-        the drafting-pays average at the next forecast's host read (priced then: no latency
-        model read per step).
+        the drafting-pays average, all at the next forecast's host read (no device op, no
+        latency model read per step).
         Forecast steps alone would be a biased sample: they are the hard ones (a request's first
         steps, the probe after a plain step), and on them alone drafting looked not to pay
         where the held steps it governs did (plain runs at concurrency 2 on this CPU)."""
         if not self.auto or budget == 0:
             return
-        accepted, bs = accept_len.sum(), accept_len.numel()
-        self._count_accepted(accepted, bs)
-        if self.config.budgets[0] == 0:
-            self._held_tokens.mul_(self._held_decays).add_(accepted, alpha=1.0 / bs)
-            self._held.append((budget, bs))
+        held = self.config.budgets[0] == 0
+        self._count_accepted(accept_len, held)
+        if held:
+            self._held.append((budget, accept_len.numel()))
 
-    def _fold_held(self, held_tokens: list[float]) -> None:
-        """Host: the held steps since the last forecast (:meth:`observe_committed`) join the
-        drafted steps' decayed sums, in order."""
+    def _fold_held(self) -> None:
+        """Host, after a read: the held steps since the last forecast join the drafted steps'
+        decayed sums, in order."""
         if not self._held:
             return
         budgets = self.config.budgets
@@ -661,17 +677,17 @@ class BudgetController:
         for budget, bs in self._held:
             seconds = self.latency.row(bs)
             costs.append(seconds[budgets.index(budget)] / seconds[0])
-        for decay, gain, accepted in zip(
-            self._gain_decays, self._drafted_gain, held_tokens, strict=True
-        ):
+        for decay, gain in zip(self._gain_decays, self._drafted_gain, strict=True):
             weight = 1.0
-            tokens = cost = 0.0  # decayed sums, the latest step weighted 1
-            for step_cost in reversed(costs):
+            tokens = cost = accepted = 0.0  # decayed sums, the latest step weighted 1
+            for step_cost, step_accepted in zip(
+                reversed(costs), reversed(self._held_accepted), strict=True
+            ):
                 tokens, cost = tokens + weight, cost + weight * step_cost  # (+1: the bonus)
+                accepted += weight * step_accepted
                 weight *= decay
             gain[0], gain[1] = weight * gain[0] + accepted + tokens, weight * gain[1] + cost
-        self._held_tokens.zero_()
-        self._held = []
+        self._held, self._held_accepted = [], []
 
     def _add_drafted_gain(self, tokens_per_request: float, plain_steps: float) -> None:
         for decay, gain in zip(self._gain_decays, self._drafted_gain, strict=True):
@@ -695,11 +711,12 @@ class BudgetController:
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return None
-        self._count_accepted(accept_len.sum(), accept_len.numel())
+        self._count_accepted(accept_len, held=False)
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        return self._learn(forecast.rows, mass, depth_cal, forecast.request_scale, accept_len)
+        scale, factors = forecast.request_scale, forecast.factors
+        return self._learn(forecast.rows, mass, depth_cal, scale, factors, accept_len, 1)
 
     def observe_held(
         self,
@@ -728,33 +745,66 @@ class BudgetController:
         if self._held_seen % every:
             return None
         cal = self.calibrator
-        probs = logprobs.float().exp().masked_fill_(~valid, 0.0)  # [bs, N]
+        probs = torch.where(valid, logprobs.float().exp(), 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
-        depth_cal, scale = mass @ cal.depth_table(), cal.scale(rows)
-        return self._learn(rows, mass, depth_cal, scale, accept_len, weight=every)
+        factors = cal.factors(rows)
+        depth_cal, scale = mass @ cal.depth_table(), cal.scale(rows, factors)
+        return self._learn(rows, mass, depth_cal, scale, factors, accept_len, every)
 
-    def _learn(self, rows, mass, depth_cal, scale, accept_len, weight: int = 1) -> torch.Tensor:
+    def _learn(
+        self, rows, mass, depth_cal, scale, factors: Factors, accept_len, weight: int
+    ) -> torch.Tensor:
         """Fold one verified step into the calibration and the predicted/observed totals:
-        ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i and
-        accepted draft tokens. ``weight``: the steps it stands for (a held step observed for
-        its stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
-        calibration stays that of the steps served. Returns the step's ``[2]`` predicted and
-        accepted draft tokens, unweighted (what :meth:`observe` returns)."""
+        ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i * g_a(i)
+        and its ``factors`` (read once, for both), and accepted draft tokens. ``weight``: the
+        steps it stands for (a held step observed for its stride of ``held_observe_every``): the
+        mix of forecast (hard) and held steps in the calibration stays that of the steps served.
+        Returns the step's ``[2]`` predicted and accepted draft tokens, unweighted (what
+        :meth:`observe` returns)."""
         predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
         accepted = accept_len.to(predicted.dtype)
-        step = torch.stack([predicted.sum(), accepted.sum()])  # [2] this step's, unweighted
-        self._predicted.add_(step[0], alpha=weight)
-        self._calibrated.add_(step[1], alpha=weight)
-        self._squared_error.add_((predicted - accepted).square_().sum(), alpha=weight * weight)
+        error = (predicted - accepted).square_()
+        step = torch.stack([predicted, accepted, error], dim=1).sum(0)  # [3] unweighted
+        self._totals.addcmul_(step, self._total_weights(weight))
         self._calibrated_steps += weight * accept_len.numel()
-        self.calibrator.update(rows, mass, depth_cal, accepted, weight)
-        return step
+        self.calibrator.update(rows, mass, depth_cal, accepted, weight, factors)
+        return step[:2]
 
-    def _count_accepted(self, accepted: torch.Tensor, bs: int) -> None:
-        """Sync-free: a drafted step's accepted draft tokens (summed over its ``bs``
-        requests), sampled for calibration or not (the metrics' exact totals)."""
-        self._accepted.add_(accepted)
-        self._request_steps += bs
+    def _total_weights(self, weight: int) -> torch.Tensor:
+        """``[3]`` what a step standing for ``weight`` steps adds to ``_totals`` per unit:
+        weight, weight and weight^2 (a squared error of ``weight`` equal ones)."""
+        weights = self._weights.get(weight)
+        if weights is None:
+            weights = torch.tensor([weight, weight, weight * weight], dtype=torch.float64)
+            weights = self._weights[weight] = weights.to(self._totals.device)
+        return weights
+
+    def _count_accepted(self, accept_len: torch.Tensor, held: bool) -> None:
+        """Host only: a drafted step's ``[bs]`` accept lengths (sampled for calibration or not:
+        the metrics' exact totals; ``held``: its per-request mean joins the held steps'), read
+        with the next host read; a long run without one (the start-up profile) is read at
+        ``PENDING_STEPS`` steps, one sync in that many."""
+        self._request_steps += accept_len.numel()
+        self._pending.append(accept_len)
+        self._pending_steps.append((accept_len.numel(), held))
+        if len(self._pending) >= PENDING_STEPS:
+            self._read(self._totals[:0])
+
+    def _read(self, values: torch.Tensor) -> list[float]:
+        """THE host read of a step or of :meth:`stats`: ``values`` (``[n]``) with the pending
+        accept lengths behind them in one transfer. Those join the host totals (a held step's
+        per-request mean, the held steps'); returns ``values`` as floats."""
+        n = values.numel()
+        read = torch.cat([values, *self._pending]).tolist() if self._pending else values.tolist()
+        at = n
+        for bs, held in self._pending_steps:
+            accepted = sum(read[at : at + bs])
+            at += bs
+            self._accepted_tokens += accepted
+            if held:
+                self._held_accepted.append(accepted / bs)
+        self._pending, self._pending_steps = [], []
+        return read[:n]
 
     def record_step(
         self,
@@ -811,11 +861,11 @@ class BudgetController:
 
     def stats(self) -> ControlStats:
         """Reads the device accumulators (a sync): for periodic logs and metrics."""
-        predicted, calibrated, squared_error, accepted = self._totals.tolist()
+        predicted, calibrated, squared_error = self._read(self._totals)
         return ControlStats(
             last_budget=self.last_budget,
             predicted_accept_tokens=predicted,
-            accepted_tokens=accepted,
+            accepted_tokens=self._accepted_tokens,
             request_steps=self._request_steps,
             budget_counts=dict(sorted(self.budget_counts.items())),
             depth_scale=self.calibrator.depth_scale().tolist(),
