@@ -118,7 +118,8 @@ EXPLORE_INVERTED = 0.10
 # Auto: the calibration learns from every forecast step and from every HELD_OBSERVE_EVERY-th
 # other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~80
 # small tensor ops cost 0.29 ms at batch size 4 in inference mode on this CPU (0.3 ms of a
-# 12.5 ms step at batch size 1 through SGLang), on most steps of an auto server; at one in
+# 12.5 ms step at batch size 1 through SGLang; ~60 ops and 0.25 ms since 2026-11-29, the
+# factors read once), on most steps of an auto server; at one in
 # four, held steps spent 0.19-0.26 ms a step in the observe phase (2026-11-29, per-phase step
 # log) where a fixed budget's spend 0.01. One in eight halves that. Simulated clock (64
 # prompts, `budget_sim.py --policies ... auto auto:obs=8 auto:obs=16`, which charges no
@@ -434,7 +435,6 @@ AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
     "holdmax": ("hold_max_steps", int),
     "hard": ("hard_plain_steps", int),
     "tie": ("tie_rtol", float),
-    "switch": ("switch_rtol", float),
     "obs": ("held_observe_every", int),
     "decay": ("choice_decay", float),
     "explore": ("explore_every", int),

@@ -1399,39 +1399,6 @@ def test_an_exploration_interrupts_a_hold_which_goes_on_after_it():
     assert ctl.held_budget(1) is None
 
 
-def test_a_forecast_keeps_the_last_choice_within_switch_rtol():
-    """With ``switch_rtol``, a forecast keeps the last forecast's budget when its predicted
-    rate is within that fraction of the best (a change of shape costs the steps after it), and
-    changes when the best is further ahead; without it, any better budget is taken."""
-    budgets = (0, 4, 8, 16, 32, 64)
-    flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
-    strong = strong_or_useless_tree(8, strong=True)
-    rows = torch.arange(8)
-
-    def ahead(lead: float) -> LatencyModel:
-        """Cells making budget 32's predicted rate ``lead`` x 64's, the others far behind."""
-        fc = BudgetController(ControlConfig(budgets=budgets), flat, max_slots=8).forecast(
-            rows, strong.logprobs, strong.depths, strong.valid
-        )
-        totals = (1.0 + fc.expected).sum(0).tolist()
-        cells = [10.0] * len(budgets)
-        cells[5] = totals[5] / 100.0  # rate 100 at 64
-        cells[4] = totals[4] / (100.0 * lead)
-        return LatencyModel([cells] * 3, budgets, bs_buckets=(1, 8, 64))
-
-    def second_choice(switch_rtol: float, lead: float) -> int:
-        config = ControlConfig(budgets=budgets, hold_steps=2, switch_rtol=switch_rtol)
-        ctl = BudgetController(config, flat, max_slots=8)
-        fc = ctl.forecast(rows, strong.logprobs, strong.depths, strong.valid)
-        assert ctl.choose(fc, 8) == 64  # flat cells: the largest
-        ctl.latency = ahead(lead)
-        return ctl.choose(fc, 8)
-
-    assert second_choice(0.05, 1.02) == 64  # 32 ahead by 2%: stays
-    assert second_choice(0.05, 1.10) == 32  # ahead by 10%: changes
-    assert second_choice(0.0, 1.02) == 32  # no margin: changes
-
-
 def test_held_steps_do_no_device_work_and_a_long_run_without_a_read_stays_bounded():
     """A held step's accept lengths wait, by reference, for the next host read: no device op on
     the step. A run without a forecast (profiles, long holds) reads them every ``PENDING_STEPS``

@@ -203,10 +203,10 @@ def test_a_pinned_budget_runs_in_its_auto_server_and_auto_is_compared_with_its_b
     for bad in ("ddtree:8/4", "ddtree:auto/x", "none/0", "ddtree:8/auto"):
         with pytest.raises(SystemExit, match="AUTO_SERVER/N"):
             bench.pin_of(bad)
-    assert bench.pin_of("ddtree:auto/auto:hard=0:switch=0.03") == "auto:hard=0:switch=0.03"
-    assert bench.step.auto_overrides("auto:hard=0:switch=0.03") == {
+    assert bench.pin_of("ddtree:auto/auto:hard=0:tie=0.03") == "auto:hard=0:tie=0.03"
+    assert bench.step.auto_overrides("auto:hard=0:tie=0.03") == {
         "hard_plain_steps": 0,
-        "switch_rtol": 0.03,
+        "tie_rtol": 0.03,
     }
     with pytest.raises(SystemExit, match="unknown auto option 'nope'"):
         bench.pin_of("ddtree:auto/auto:nope=1")

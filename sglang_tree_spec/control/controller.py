@@ -138,12 +138,6 @@ class ControlConfig:
         calibration update: +0.7-1.2 ms on CPU through SGLang, on ~20% of auto's steps).
         Arrivals and probes still end a hold early.
     tie_rtol: objectives within this relative margin of the best count as ties.
-    switch_rtol: a forecast keeps the last forecast's choice (its hold goes on, doubled as
-        ``hold_max_steps`` says) when that budget's predicted rate is within this fraction of
-        the best one's (0: never). A change of shape costs the steps after it more than the
-        latency model's cells say (small pair through SGLang, one process: a budget's first
-        steps after a change took 8-20% more than its steady steps), and auto's holds are
-        short runs between changes.
     choice_decay: the choice reads each request's decayed average of its forecasts' A_i(N)
         (this weight on the average so far per forecast; 0: the forecast step's own). One
         step's prediction is noisy: on a hard step every (1 + A(N)) / C(bs, N) is close and the
@@ -187,7 +181,6 @@ class ControlConfig:
     hold_steps: int = 1
     hold_max_steps: int | None = None
     tie_rtol: float = 1e-6
-    switch_rtol: float = 0.0
     choice_decay: float = 0.0
     plain_long_decay: float | None = None
     hard_plain_steps: int = 0
@@ -591,7 +584,7 @@ class BudgetController:
             max_budget=forecast.tree_budget,
             tie_rtol=self.config.tie_rtol,
         )
-        best = self._stay(choice(), totals, seconds, forecast.tree_budget)
+        best = choice()
         verified = best if best != 0 else choice(min_budget=1)  # the draft is paid for
         self._note_contenders(bs, totals, seconds, forecast.tree_budget)
         if self.config.budgets[0] == 0:
@@ -612,17 +605,6 @@ class BudgetController:
         elif self.config.hold_steps > 1:  # best, or the cheapest > 0
             self._hold = (verified, bs, self._hold_length(verified) - 1)
         return self._count(verified)
-
-    def _stay(self, best: int, totals: list[float], seconds: list[float], reach: int) -> int:
-        """Host: the last forecast's choice instead of ``best`` (> 0) when its predicted rate
-        is within ``ControlConfig.switch_rtol`` of ``best``'s (and the tree reached it)."""
-        margin, last = self.config.switch_rtol, self._last_hold
-        if not margin or last is None or best == 0 or last[0] == best or last[0] > reach:
-            return best
-        budgets = self.config.budgets
-        kept, chosen = budgets.index(last[0]), budgets.index(best)
-        stays = totals[kept] / seconds[kept] >= (1.0 - margin) * totals[chosen] / seconds[chosen]
-        return last[0] if stays else best
 
     def _hold_length(self, budget: int) -> int:
         """Host: the drafted steps a forecast's choice of ``budget`` holds for: ``hold_steps``,
