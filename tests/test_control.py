@@ -291,11 +291,7 @@ def test_latency_refinement_converges_to_measured_times():
     budgets = (0, 8, 32)
     buckets = (1, 4, 16, 64)
     model = LatencyModel.from_roofline(
-        MODEL_SHAPES["llama-3.1-8b"],
-        DEVICES["h200"],
-        budgets,
-        bs_buckets=buckets,
-        config=LatencyConfig(check_every=1),  # every step checked: the totals are exact
+        MODEL_SHAPES["llama-3.1-8b"], DEVICES["h200"], budgets, bs_buckets=buckets
     )
     truth = [[2.0 * p + 3e-3 for p in row] for row in model.prior]  # "a different device"
     assert model.seconds(1, 8) == pytest.approx(model.prior[0][1])  # nothing measured yet
@@ -318,24 +314,6 @@ def test_latency_refinement_converges_to_measured_times():
     for _ in range(30):  # a measured cell drifts (thermal, a neighbour): its EMA follows
         model.record(1, 32, 1.5 * truth[0][2])
     assert model.seconds(1, 32) == pytest.approx(1.5 * truth[0][2], rel=0.02)
-
-
-def test_the_checked_steps_are_an_unbiased_sample_of_a_round_robin():
-    """One recorded step in ``check_every`` is checked against its prediction, at random: a
-    round robin over as many cells as the stride (the start-up profile) still has every cell
-    in the checked sample, so the checked mean time is the recorded mean time."""
-    budgets, every = (0, 4, 8, 16), 4
-    times = [0.010, 0.012, 0.015, 0.020]  # mean 0.01425
-    model = LatencyModel(
-        [times], budgets, bs_buckets=(64,), config=LatencyConfig(check_every=every)
-    )
-    steps = 4000
-    for i in range(steps):
-        model.record(1, budgets[i % 4], times[i % 4])
-    assert model.recorded_steps == pytest.approx(steps / every, rel=0.1)
-    mean = model.measured_seconds / model.recorded_steps
-    assert mean == pytest.approx(sum(times) / 4, rel=0.03)  # a stride of 4 reads 0.010 or 0.020
-    assert model.mean_abs_rel_error() < 0.01  # measured as predicted
 
 
 def test_an_unmeasured_cell_keeps_its_columns_ratio_to_its_rows_measured_cells():

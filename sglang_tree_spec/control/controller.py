@@ -270,8 +270,7 @@ class ControlStats:
         budget_counts: steps per chosen budget.
         depth_scale: per-depth calibration factors s_d.
         latency_mean_abs_rel_error: of predicted vs measured step times.
-        latency_steps: how many measured steps that error covers (the checked ones, one recorded
-            step in ``LatencyConfig.check_every``).
+        latency_steps: how many measured steps that error covers.
         latency_predicted_seconds / latency_measured_seconds: those steps' predicted and
             measured times summed (their ratio: the model's bias over a run).
         calibrated_accepted_tokens / calibrated_request_steps: the accepted draft tokens and

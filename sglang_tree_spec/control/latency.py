@@ -59,7 +59,6 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-import random
 import statistics
 from dataclasses import dataclass
 
@@ -259,10 +258,6 @@ class LatencyConfig:
     calib_decay: per-measurement decay of the linear calibration's sums.
     max_weight: a measured cell's weight in its row's isotonic fit is the number of times it
         was measured, up to this.
-    check_every: one recorded step in this many, at random, is checked against its
-        prediction (the error metrics, :meth:`LatencyModel.mean_abs_rel_error`): the
-        prediction refits the step's row (~13 us of Python on this CPU, three quarters of a
-        held step's record; nothing else reads a row between two forecasts).
     """
 
     first_steps: int = 3
@@ -271,7 +266,6 @@ class LatencyConfig:
     pair_clip: float = 0.2
     calib_decay: float = 0.995
     max_weight: float = 8.0
-    check_every: int = 4
 
 
 class LatencyModel:
@@ -289,8 +283,8 @@ class LatencyModel:
         of ``bs_buckets``; see :meth:`profiles`)."""
         if len(prior) != len(bs_buckets) or any(len(row) != len(budgets) for row in prior):
             raise ValueError("prior must be [len(bs_buckets)][len(budgets)]")
-        if config.load_window < 1 or config.first_steps < 1 or config.check_every < 1:
-            raise ValueError("load_window, first_steps and check_every must be >= 1")
+        if config.load_window < 1 or config.first_steps < 1:
+            raise ValueError("load_window and first_steps must be >= 1")
         self.prior = [list(map(float, row)) for row in prior]
         self.budgets = tuple(budgets)
         self.bs_buckets = tuple(bs_buckets)
@@ -307,9 +301,7 @@ class LatencyModel:
         self._sums = [0.0] * 5  # decayed w, x, y, xx, xy of (prior, measured)
         self._abs_rel_err = 0.0
         self._err_count = 0
-        # which recorded steps are checked: at random (a stride aliases a round robin's period)
-        self._checks = random.Random(0)
-        self.predicted_seconds = 0.0  # summed over the checked steps, each before its update
+        self.predicted_seconds = 0.0  # summed over the recorded steps, each before its update
         self.measured_seconds = 0.0
         self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
         self._residuals = collections.deque(maxlen=config.load_window)  # log time - its cost
@@ -437,12 +429,11 @@ class LatencyModel:
         if column is None or not seconds > 0.0:
             return False
         bucket = bucket_of(self.bs_buckets, bs)
-        if self._checks.random() * self.config.check_every < 1.0:  # a checked step
-            predicted = self.seconds(bs, budget)
-            self._abs_rel_err += abs(predicted - seconds) / seconds
-            self._err_count += 1
-            self.predicted_seconds += predicted
-            self.measured_seconds += seconds
+        predicted = self.seconds(bs, budget)
+        self._abs_rel_err += abs(predicted - seconds) / seconds
+        self._err_count += 1
+        self.predicted_seconds += predicted
+        self.measured_seconds += seconds
         cell, x = (bucket, column), math.log(seconds)
         if cell not in self._cost:  # unmeasured (or forgotten): its first times set it
             self._first[cell] = []
@@ -510,8 +501,7 @@ class LatencyModel:
             self._rows.clear()
 
     def mean_abs_rel_error(self) -> float:
-        """Mean |predicted - measured| / measured of the checked steps (one recorded step in
-        ``LatencyConfig.check_every``, at random), before their update."""
+        """Mean |predicted - measured| / measured of every recorded step, before its update."""
         return self._abs_rel_err / max(self._err_count, 1)
 
     @property

@@ -22,8 +22,7 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
 * ``sglang:ddtree_timed_steps_total``, ``sglang:ddtree_step_time_abs_rel_error_total``,
   ``sglang:ddtree_step_time_predicted_seconds_total``,
   ``sglang:ddtree_step_time_measured_seconds_total`` (auto): steps the latency model was
-  checked on (one recorded step in ``LatencyConfig.check_every``), the sum of |predicted -
-  measured| / measured, and their predicted and measured
+  checked on, the sum of |predicted - measured| / measured, and their predicted and measured
   times (the ratio of the rates: the model's bias over any window).
 
 The worker publishes the controller's cumulative :class:`~sglang_tree_spec.control.ControlStats`
