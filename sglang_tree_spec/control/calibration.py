@@ -46,12 +46,14 @@ import torch
 
 
 class Factors(NamedTuple):
-    """A batch's calibration factors, ``[bs]`` each: r_i, g_a(i) and the age bucket a(i)
-    (int64) they were read at."""
+    """A batch's calibration factors, ``[bs]`` each: r_i, g_a(i), the age bucket a(i) (int64)
+    they were read at, and their product r_i * g_a(i), the factor of each request's
+    depth-calibrated prediction."""
 
     request: torch.Tensor
     age: torch.Tensor
     buckets: torch.Tensor
+    scale: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,12 @@ class AcceptCalibrator:
     def factors(self, rows: torch.Tensor) -> Factors:
         """Each request's factors (``[bs]`` each) for the batch's slots ``rows``."""
         buckets = self._age_buckets(rows)
-        return Factors(self.request_scale(rows), self.age_table()[buckets], buckets)
+        request, age = self.request_scale(rows), self.age_table()[buckets]
+        return Factors(request, age, buckets, request * age)
 
-    def scale(self, rows: torch.Tensor, factors: Factors | None = None) -> torch.Tensor:
-        """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)
-        (of ``factors``, :meth:`factors` of ``rows``, when given)."""
-        request, age, _ = self.factors(rows) if factors is None else factors
-        return request * age
+    def scale(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[bs]`` the factor of each request's depth-calibrated prediction, r_i * g_a(i)."""
+        return self.factors(rows).scale
 
     def node_weights(self, probs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """``[bs, B]`` depth-calibrated node probabilities s_{d(u)} q(u) (depths in 1..L)."""
@@ -206,7 +207,7 @@ class AcceptCalibrator:
         step = torch.stack([mass, observed]).sum(1)  # [2, L+1]
         self.depth_sums.mul_(cfg.depth_decay**weight).add_(step, alpha=weight)
         # the factors and age buckets ([bs] each) the predictions were made with
-        request_factor, age_factor, buckets = self.factors(rows) if factors is None else factors
+        request_factor, age_factor, buckets, _ = self.factors(rows) if factors is None else factors
         request = torch.stack([calibrated_pred * age_factor, accept], dim=1)  # [bs, 2]
         age = torch.stack([calibrated_pred * request_factor, accept], dim=1)  # [bs, 2]
         decayed = self.request_sums[rows].mul_(cfg.request_decay**weight)

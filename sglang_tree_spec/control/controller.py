@@ -232,9 +232,8 @@ class Forecast:
         depths: ``[bs, B]`` their depths.
         weights: ``[bs, B]`` depth-calibrated ranked node probabilities.
         slots: ``[bs, B]`` int64 the ranked nodes' slots in the tree (for :func:`top_nodes`).
-        request_scale: ``[bs]`` each request's calibration factor, r_i * g_a(i) (its own
-            history's and its age's: :meth:`AcceptCalibrator.scale`).
-        factors: those factors apart (:meth:`AcceptCalibrator.factors`), for the update.
+        factors: each request's calibration factors (its own history's and its age's, and
+            their product r_i * g_a(i): :meth:`AcceptCalibrator.factors`), for the update too.
         accept: ``[bs, C]`` calibrated expected accepted draft tokens A_i(N) per candidate.
         expected: ``[bs, C]`` what the choice reads: each request's decayed average of its
             forecasts' ``accept`` (``ControlConfig.choice_decay``; ``accept`` itself at 0).
@@ -245,7 +244,6 @@ class Forecast:
     depths: torch.Tensor
     weights: torch.Tensor
     slots: torch.Tensor
-    request_scale: torch.Tensor
     factors: Factors
     accept: torch.Tensor
     expected: torch.Tensor
@@ -352,8 +350,7 @@ class BudgetController:
         # which reads them behind its own values (:meth:`_read`)
         self._accepted_tokens = 0.0
         self._request_steps = 0
-        self._pending: list[torch.Tensor] = []
-        self._pending_steps: list[tuple[int, bool]] = []  # (batch size, a held step's)
+        self._pending: list[tuple[torch.Tensor, bool]] = []  # (accept lengths, a held step's)
         self.last_budget: int | None = None
         self.budget_counts: dict[int, int] = {}
         self._plain = False  # the last forecast preferred plain steps: draft only to probe
@@ -516,8 +513,7 @@ class BudgetController:
         ranked = rank_nodes(logprobs, depths, valid)
         weights = self.calibrator.node_weights(ranked.probs, ranked.depths)  # [bs, B]
         factors = self.calibrator.factors(rows)
-        scale = self.calibrator.scale(rows, factors)  # [bs]
-        accept = prefix_sums_at(weights, self._budgets_t).mul_(scale.unsqueeze(1))
+        accept = prefix_sums_at(weights, self._budgets_t).mul_(factors.scale.unsqueeze(1))
         accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
         expected = self._average(rows, accept)
         return Forecast(
@@ -526,7 +522,6 @@ class BudgetController:
             ranked.depths,
             weights,
             ranked.slots,
-            scale,
             factors,
             accept,
             expected,
@@ -696,8 +691,7 @@ class BudgetController:
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        scale, factors = forecast.request_scale, forecast.factors
-        return self._learn(forecast.rows, mass, depth_cal, scale, factors, accept_len, 1)
+        return self._learn(forecast.rows, mass, depth_cal, forecast.factors, accept_len, 1)
 
     def observe_held(
         self,
@@ -728,21 +722,21 @@ class BudgetController:
         cal = self.calibrator
         probs = torch.where(valid, logprobs.float().exp(), 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
-        factors = cal.factors(rows)
-        depth_cal, scale = mass @ cal.depth_table(), cal.scale(rows, factors)
-        return self._learn(rows, mass, depth_cal, scale, factors, accept_len, every)
+        depth_cal = mass @ cal.depth_table()  # [bs]
+        return self._learn(rows, mass, depth_cal, cal.factors(rows), accept_len, every)
 
     def _learn(
-        self, rows, mass, depth_cal, scale, factors: Factors, accept_len, weight: int
+        self, rows, mass, depth_cal, factors: Factors, accept_len, weight: int
     ) -> torch.Tensor:
         """Fold one verified step into the calibration and the predicted/observed totals:
-        ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, r_i * g_a(i)
-        and its ``factors`` (read once, for both), and accepted draft tokens. ``weight``: the
+        ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, the
+        calibration's ``factors`` (read once: the prediction's and the update's), and accepted
+        draft tokens. ``weight``: the
         steps it stands for (a held step observed for its stride of ``held_observe_every``): the
         mix of forecast (hard) and held steps in the calibration stays that of the steps served.
         Returns the step's ``[2]`` predicted and accepted draft tokens, unweighted (what
         :meth:`observe` returns)."""
-        predicted = (depth_cal * scale).clamp_(0.0, float(self.config.max_depth))
+        predicted = (depth_cal * factors.scale).clamp_(0.0, float(self.config.max_depth))
         accepted = accept_len.to(predicted.dtype)
         error = (predicted - accepted).square_()
         step = torch.stack([predicted, accepted, error], dim=1).sum(0)  # [3] unweighted
@@ -766,8 +760,7 @@ class BudgetController:
         with the next host read; a long run without one (the start-up profile) is read at
         ``PENDING_STEPS`` steps, one sync in that many."""
         self._request_steps += accept_len.numel()
-        self._pending.append(accept_len)
-        self._pending_steps.append((accept_len.numel(), held))
+        self._pending.append((accept_len, held))
         if len(self._pending) >= PENDING_STEPS:
             self._read(self._totals[:0])
 
@@ -775,16 +768,19 @@ class BudgetController:
         """THE host read of a step or of :meth:`stats`: ``values`` (``[n]``) with the pending
         accept lengths behind them in one transfer. Those join the host totals (a held step's
         per-request mean, the held steps'); returns ``values`` as floats."""
-        n = values.numel()
-        read = torch.cat([values, *self._pending]).tolist() if self._pending else values.tolist()
+        n, pending = values.numel(), self._pending
+        read = (
+            torch.cat([values, *(a for a, _ in pending)]).tolist() if pending else values.tolist()
+        )
         at = n
-        for bs, held in self._pending_steps:
+        for accept_len, held in pending:
+            bs = accept_len.numel()
             accepted = sum(read[at : at + bs])
             at += bs
             self._accepted_tokens += accepted
             if held:
                 self._held_accepted.append(accepted / bs)
-        self._pending, self._pending_steps = [], []
+        self._pending = []
         return read[:n]
 
     def record_step(
