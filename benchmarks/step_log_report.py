@@ -17,7 +17,10 @@ its committed tokens per second over the best pinned budget's and what each of i
 budget) costs it: its time share, its mean step against the pinned budget's at that batch
 size, and its loss, the time its steps took beyond what the best pinned budget needs for their
 tokens, as a share of its time (the losses sum to 1 - its ratio; a negative loss: those steps
-did better than the best budget's average).
+did better than the best budget's average). Logs with a ``reason`` column
+(``control.REASONS``: why each step has its budget) add the same losses per reason: which
+forecasts (arrivals, expired holds, a grown batch, probes) and which other steps (held choices,
+explorations, the profile, plain runs) cost what.
 
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
@@ -92,11 +95,19 @@ def report(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _steps(path: Path) -> list[tuple[int, int, str, int, float]]:
-    """``(bs, budget, kind, tokens, seconds)`` of every line of a step log."""
+def _steps(path: Path) -> list[tuple[int, int, str, int, float, str]]:
+    """``(bs, budget, kind, tokens, seconds, reason)`` of every line of a step log (reason:
+    "" in a log without the column)."""
     with path.open() as f:
         return [
-            (int(r["bs"]), int(r["budget"]), kind(r), int(r["tokens"]), float(r["seconds"]))
+            (
+                int(r["bs"]),
+                int(r["budget"]),
+                kind(r),
+                int(r["tokens"]),
+                float(r["seconds"]),
+                r.get("reason") or "",
+            )
             for r in csv.DictReader(f)
         ]
 
@@ -108,7 +119,7 @@ def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) 
     mine = _steps(auto)
     cells: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tokens, s, n
     for path in pinned:
-        for bs, budget, _, tokens, seconds in _steps(path):
+        for bs, budget, _, tokens, seconds, _ in _steps(path):
             cell = cells[bs, budget]
             cell[0], cell[1], cell[2] = cell[0] + tokens, cell[1] + seconds, cell[2] + 1
     lines = [f"### {auto.name} against its pinned budgets"]
@@ -130,19 +141,32 @@ def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) 
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         groups: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-        for _, budget, k, tokens, seconds in steps:
-            group = groups[k, budget]
-            group[0] += 1
-            group[1] += seconds
-            group[2] += seconds - tokens / rates[best]
+        reasons: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        for _, budget, k, tokens, seconds, reason in steps:
+            for group in (groups[k, budget], reasons[k, reason]):
+                group[0] += 1
+                group[1] += seconds
+                group[2] += seconds - tokens / rates[best]
         for (k, budget), (n, seconds, loss) in sorted(groups.items()):
             cell = cells.get((size, budget))
             pinned_ms = f"{1e3 * cell[1] / cell[2]:.2f}" if cell and cell[2] else "-"
             lines.append(
                 f"| {k} | {budget} | {n} | {seconds / time:.1%} | {1e3 * seconds / n:.2f} | "
-                f"{pinned_ms} | {round(loss / time, 4) + 0.0:+.1%} |"  # (no -0.0%)
+                f"{pinned_ms} | {_loss(loss, time)} |"
             )
+        if any(reason for _, reason in reasons):
+            lines += ["", "| kind | reason | steps | time share | ms / step | loss |"]
+            lines.append("|---|---|---:|---:|---:|---:|")
+            for (k, reason), (n, seconds, loss) in sorted(reasons.items()):
+                lines.append(
+                    f"| {k} | {reason} | {n} | {seconds / time:.1%} | "
+                    f"{1e3 * seconds / n:.2f} | {_loss(loss, time)} |"
+                )
     return "\n".join(lines)
+
+
+def _loss(loss: float, time: float) -> str:
+    return f"{round(loss / time, 4) + 0.0:+.1%}"  # (no -0.0%)
 
 
 def main() -> None:

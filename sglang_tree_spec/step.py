@@ -238,6 +238,8 @@ class StepResult:
         calibrated: ``[2]`` the step's predicted and accepted draft tokens summed over its
             requests when the budget controller calibrated on it (a forecast step, a sampled
             held one), else None.
+        reason: why the step has its budget (``BudgetController.reason``, one of
+            ``control.REASONS``).
     """
 
     tree: DraftTree
@@ -250,6 +252,7 @@ class StepResult:
     logits: torch.Tensor
     forwards: int
     calibrated: torch.Tensor | None
+    reason: str
 
 
 def decode_step(
@@ -343,6 +346,7 @@ def decode_step(
         logits,
         forwards,
         calibrated,
+        controller.reason,
     )
 
 

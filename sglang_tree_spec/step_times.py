@@ -31,7 +31,9 @@ LOG_ENV_FLAG = "SGLANG_TREE_SPEC_STEP_LOG"
 # The phases decode_step marks, in order (observe: the budget controller's update after verify).
 PHASES = ("draft", "tree", "verify", "accept", "commit", "observe")
 STEP_LOG_HEADER = (
-    "bs,budget,drafted,forecast,forwards,tokens,seconds," + ",".join(PHASES) + ",predicted,accepted"
+    "bs,budget,drafted,forecast,forwards,tokens,seconds,"
+    + ",".join(PHASES)
+    + ",predicted,accepted,reason"
 )
 
 
@@ -56,17 +58,19 @@ class StepLog:
     def write(
         self, bs: int, budget: int, drafted: bool, forecast: bool, forwards: int, tokens: int,
         seconds: float, phases: dict[str, float] | None, calibrated: list[float] | None,
+        reason: str,
     ) -> None:  # fmt: skip
         """``phases``: seconds per phase (:attr:`PhaseTimer.last_step`), None when untimed;
         ``calibrated``: [predicted, accepted] draft tokens (``StepResult.calibrated``), None
-        when the step was not calibrated."""
+        when the step was not calibrated; ``reason``: why the step has its budget
+        (``StepResult.reason``)."""
         times = ",".join(
             "" if phases is None else f"{phases.get(phase, 0.0):.6f}" for phase in PHASES
         )
         sums = "," if calibrated is None else f"{calibrated[0]:.4f},{calibrated[1]:.0f}"
         self._file.write(
             f"{bs},{budget},{int(drafted)},{int(forecast)},{forwards},{tokens},{seconds:.6f},"
-            f"{times},{sums}\n"
+            f"{times},{sums},{reason}\n"
         )
 
 

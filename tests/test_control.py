@@ -676,20 +676,22 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     """A forecast's budget > 0 serves the next ``hold_steps - 1`` drafted steps of the same
     batch without a forecast (counted as their choices); as many requests arriving as the
     batch holds or a batch that grows ends the hold (one arrival of several does not, nor do
-    requests leaving), a forecast that prefers plain steps starts none."""
+    requests leaving), a forecast that prefers plain steps starts none. Each step names why
+    it has its budget (``reason``, the step log's column)."""
     budgets = (0, 4, 8, 16, 32, 64)
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
     ctl = BudgetController(ControlConfig(budgets=budgets, hold_steps=3), flat, max_slots=8)
     strong = strong_or_useless_tree(8, strong=True)
     rows = torch.arange(8)
 
-    def forecast_step(bs: int = 8) -> int:
+    def forecast_step(bs: int = 8, reason: str = "expired") -> int:
         assert ctl.held_budget(bs) is None  # not held: this step forecasts
+        assert ctl.reason == reason
         fc = ctl.forecast(rows[:bs], strong.logprobs[:bs], strong.depths[:bs], strong.valid[:bs])
         return ctl.choose(fc, bs)
 
     assert forecast_step() == 64
-    assert [ctl.held_budget(8), ctl.held_budget(8)] == [64, 64]
+    assert [ctl.held_budget(8), ctl.held_budget(8)] == [64, 64] and ctl.reason == "held"
     assert ctl.stats().budget_counts == {64: 3}
     ctl.record_step(8, 64, 0.5, drafted=True, forecast=True)  # a forecast step's time: not
     ctl.record_step(8, 64, 0.02, drafted=True)  # recorded while choices hold; a held one is
@@ -701,17 +703,21 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     ctl.reset(torch.tensor([3]))  # one request of 8 arrived: the hold goes on
     assert ctl.held_budget(8) == 64
     ctl.reset(torch.arange(7))  # as many arrivals as the batch holds: a renewed batch
-    assert forecast_step() == 64
+    assert forecast_step(reason="arrivals") == 64
     assert ctl.held_budget(4) == 64  # requests left: the rest were forecast, held on
-    assert ctl.held_budget(5) is None  # the batch grew: forecast again
+    assert ctl.held_budget(5) is None and ctl.reason == "grew"  # the batch grew: forecast again
     useless = strong_or_useless_tree(8, strong=False)
     fc = ctl.forecast(rows, useless.logprobs, useless.depths, useless.valid)
     steep = LatencyModel([[0.01] + [1.0] * 5] * 3, budgets, bs_buckets=(1, 8, 64))
     ctl.latency = steep
     assert ctl.choose(fc, 8) == 4  # plain steps win: verified (paid for), nothing held
-    assert ctl.held_budget(8) is None
+    for _ in range(ctl.config.probe_every - 1):  # a plain run, then a probe
+        assert not ctl.should_draft(8) and ctl.reason == "plain"
+        ctl.choose(None, 8)
+    assert ctl.should_draft(8) and ctl.held_budget(8) is None and ctl.reason == "probe"
     fixed = BudgetController(ControlConfig(fixed_budget=16), None, max_slots=8)
     assert [fixed.held_budget(8) for _ in range(5)] == [16] * 5  # fixed: held for ever
+    assert fixed.reason == "fixed"
     with pytest.raises(ValueError, match="hold_steps"):
         ControlConfig(hold_steps=0)
     with pytest.raises(ValueError, match="held_observe_every"):
@@ -1084,12 +1090,16 @@ def test_exploration_re_measures_plain_steps_while_auto_drafts():
     cell is sometimes budget 0's, and then a plain step (no draft) comes right before the
     exploration step, which takes the stalest budget > 0. A strong drafter keeps auto drafting."""
     ctl, fc = exploring_controller()
-    steps = []
+    steps, reasons = [], []
     profile = len(ctl.config.budgets) + 1  # budget 4 twice: once after the plain step
     for _ in range(profile + 16):  # the profile, then 16 steps
         budget, drafted = step_budget(ctl, 1, fc)
         ctl.record_step(1, budget, 0.01 + 2e-4 * budget, drafted)  # drafting pays
         steps.append((budget, drafted))
+        reasons.append(ctl.reason)
+    assert set(reasons[:profile]) == {"profile"}
+    assert [reasons[profile + i] for i in (3, 4, 5, 8, 12)] == ["explore"] * 5
+    assert {reasons[profile + i] for i in (0, 1, 2, 6, 7)} == {"expired"}  # no hold
     after = steps[profile:]
     plain = [i for i, (_, drafted) in enumerate(after) if not drafted]
     assert plain == [3]  # budget 0's cell (stamped at the profile) is explored first, once

@@ -28,7 +28,8 @@ def write_step_log(path: Path, steps: list[tuple[int, int, int, float, int]]) ->
     lines = [STEP_LOG_HEADER]
     for bs, budget, forecast, seconds, tokens in steps:
         times = "," * (len(PHASES) - 1)
-        lines.append(f"{bs},{budget},1,{forecast},1,{tokens},{seconds},{times},,")
+        reason = "expired" if forecast else "held"
+        lines.append(f"{bs},{budget},1,{forecast},1,{tokens},{seconds},{times},,,{reason}")
     path.write_text("\n".join(lines) + "\n")
 
 

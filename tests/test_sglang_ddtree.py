@@ -13,6 +13,7 @@ attention, KV moves, slot writes) come from this package's hooks; nothing else i
 from __future__ import annotations
 
 import ast
+import csv
 import json
 import re
 import shutil
@@ -33,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from sglang_tree_spec import step
+from sglang_tree_spec.control import REASONS
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
@@ -488,11 +490,11 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     steps (profiled, then chosen), and no token changes: greedy equals no speculation, and a
     seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
     writes a line per decode step: held, forecast and plain steps at the candidates, with their
-    phases under ``SGLANG_TREE_SPEC_STEP_TIMES``, and every forecast step with its predicted
-    and accepted draft tokens. Under ``SGLANG_TREE_SPEC_PIN_BUDGET`` a request pins its batch's
-    budget to one of the candidates (the benchmark's ``ddtree:auto/N``): those steps run that
-    budget alone, logged apart, and no token changes; a pin outside the candidates is ignored
-    with one warning."""
+    phases under ``SGLANG_TREE_SPEC_STEP_TIMES``, every forecast step with its predicted
+    and accepted draft tokens, and why each step has its budget. Under
+    ``SGLANG_TREE_SPEC_PIN_BUDGET`` a request pins its batch's budget to one of the candidates
+    (the benchmark's ``ddtree:auto/N``): those steps run that budget alone, logged apart, and
+    no token changes; a pin outside the candidates is ignored with one warning."""
     log = tmp_path_factory.mktemp("auto") / "server.log"
     step_log = log.parent / "steps"
     monkeypatch.setenv("SGLANG_TREE_SPEC_STEP_LOG", str(step_log))
@@ -529,6 +531,7 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     pin_steps = pin_log.read_text().splitlines()[1:]
     assert len(pin_steps) >= NEW_TOKENS // 8  # (bs, budget, drafted, forecast, ...)
     assert {tuple(line.split(",")[1:4]) for line in pin_steps} == {("8", "1", "0")}
+    assert {line.split(",")[-1] for line in pin_steps} == {"fixed"}  # why: a fixed budget
     (variant_log,) = step_log.glob("steps_auto-pinauto_hard0_hold2_*.csv")
     variant_steps = [line.split(",") for line in variant_log.read_text().splitlines()[1:]]
     assert len({line[1] for line in variant_steps}) >= 3  # an auto of its own: its profile
@@ -545,6 +548,10 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     assert {budget for _, budget in kinds} <= {0, 4, 8, 16, 32}
     assert {kind for kind, _ in kinds} == {"forecast", "held", "plain"}, table
     assert ("plain", 0) in kinds and all(b > 0 for k, b in kinds if k != "plain"), table
+    with path.open() as f:  # why each step has its budget: profiled first, then forecasts
+        reasons = [row["reason"] for row in csv.DictReader(f)]
+    assert reasons[0] == "profile" and set(reasons) <= set(REASONS), set(reasons)
+    assert {"arrivals", "expired"} & set(reasons), set(reasons)
 
 
 @pytest.mark.parametrize("graft", ["unified", "stage"])

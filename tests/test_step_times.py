@@ -51,10 +51,11 @@ def test_step_log_carries_the_phases_its_report_averages(tmp_path):
     log = StepLog(str(timed))
     for scale in (1.0, 3.0):  # two held B 16 steps: each phase's mean is twice its first value
         phases = {phase: scale * 1e-3 * (i + 1) for i, phase in enumerate(PHASES)}
-        log.write(2, 16, True, False, 1, 6, 0.02, phases, None if scale == 1.0 else [5.0, 3.0])
-    log.write(2, 0, False, False, 2, 4, 0.01, {"verify": 4e-3}, None)  # a plain step: no draft
-    log.write(3, 32, True, True, 1, 9, 0.02, None, [4.5, 6.0])  # a forecast at B 32
-    StepLog(str(untimed)).write(1, 16, True, False, 1, 3, 0.01, None, None)
+        calibrated = None if scale == 1.0 else [5.0, 3.0]
+        log.write(2, 16, True, False, 1, 6, 0.02, phases, calibrated, "held")
+    log.write(2, 0, False, False, 2, 4, 0.01, {"verify": 4e-3}, None, "plain")  # no draft
+    log.write(3, 32, True, True, 1, 9, 0.02, None, [4.5, 6.0], "arrivals")  # a forecast at B 32
+    StepLog(str(untimed)).write(1, 16, True, False, 1, 3, 0.01, None, None, "fixed")
     header, *rows = report(timed).splitlines()[1:]
     assert header.endswith(" / ".join(PHASES) + " ms | predicted / accepted (request-steps) |")
     held = next(row for row in rows if row.startswith("| held | 16 |"))
@@ -63,7 +64,7 @@ def test_step_log_carries_the_phases_its_report_averages(tmp_path):
     assert plain.endswith(" | 0.00 / 0.00 / 4.00 / 0.00 / 0.00 / 0.00 | - |"), plain
     forecast = next(row for row in rows if row.startswith("| forecast | 32 |"))
     assert forecast.endswith(" | 1.50 / 2.00 (3) |"), forecast
-    assert "observe" not in report(untimed) and untimed.read_text().endswith(",,,,\n")
+    assert "observe" not in report(untimed) and untimed.read_text().endswith(",,,,,fixed\n")
     assert "predicted" not in report(untimed)
 
 
@@ -79,16 +80,16 @@ def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path)
     bench = load_benchmark("step_log_report")
     auto = tmp_path / "steps_auto_7.csv"
     log = StepLog(str(auto))
-    for _ in range(3):  # batch size 2: 4 held B 8 steps of 10 tokens in 10 ms, a forecast
-        log.write(2, 8, True, False, 1, 10, 0.010, None, None)
-    log.write(2, 8, True, True, 1, 10, 0.015, None, None)  # 5 ms dearer: 5 ms lost
-    log.write(2, 0, False, False, 2, 4, 0.008, None, None)  # 4 tokens: 4 ms at 1 tok/ms
+    for reason in ("held", "held", "explore"):  # batch size 2: 3 held B 8 steps of 10 tokens
+        log.write(2, 8, True, False, 1, 10, 0.010, None, None, reason)  # in 10 ms
+    log.write(2, 8, True, True, 1, 10, 0.015, None, None, "expired")  # 5 ms dearer: 5 ms lost
+    log.write(2, 0, False, False, 2, 4, 0.008, None, None, "plain")  # 4 tokens: 4 ms at 1 tok/ms
     pins = {4: (8, 0.010), 8: (10, 0.010)}  # (tokens, seconds) a step: B 8 is the best
     for budget, (tokens, seconds) in pins.items():
         pin = StepLog(str(tmp_path / f"steps_auto-pin{budget}_7.csv"))
         for _ in range(20):
-            pin.write(2, budget, True, False, 1, tokens, seconds, None, None)
-        pin.write(4, budget, True, False, 1, tokens, seconds, None, None)  # too few at 4
+            pin.write(2, budget, True, False, 1, tokens, seconds, None, None, "fixed")
+        pin.write(4, budget, True, False, 1, tokens, seconds, None, None, "fixed")  # too few
     table = bench.versus_pinned(auto, sorted(tmp_path.glob("steps_auto-pin*_7.csv")), (2, 4))
     # auto: 44 tokens in 53 ms against 1 token / ms: 0.830; lost 5 (forecast) + 4 (plain)
     ratio = "batch size 2: auto 0.830x the best pinned budget (B 8; pinned: B 4 0.800, B 8 1.000)"
@@ -96,4 +97,9 @@ def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path)
     assert "| forecast | 8 | 1 | 28.3% | 15.00 | 10.00 | +9.4% |" in table
     assert "| held | 8 | 3 | 56.6% | 10.00 | 10.00 | +0.0% |" in table
     assert "| plain | 0 | 1 | 15.1% | 8.00 | - | +7.5% |" in table
+    # the same losses per reason: the forecast's is its expired hold's
+    assert "| forecast | expired | 1 | 28.3% | 15.00 | +9.4% |" in table
+    assert "| held | explore | 1 | 18.9% | 10.00 | +0.0% |" in table
+    assert "| held | held | 2 | 37.7% | 10.00 | +0.0% |" in table
+    assert "| plain | plain | 1 | 15.1% | 8.00 | +7.5% |" in table
     assert "batch size 4" not in table

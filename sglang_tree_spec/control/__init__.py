@@ -62,6 +62,7 @@ Auto's choice holds for ``hold_steps`` drafted steps of the same batch (``held_b
 
 from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
 from sglang_tree_spec.control.controller import (
+    REASONS,
     BudgetController,
     ControlConfig,
     ControlStats,
@@ -97,6 +98,7 @@ __all__ = [
     "DEFAULT_BUDGETS",
     "DEVICES",
     "MODEL_SHAPES",
+    "REASONS",
     "AcceptCalibrator",
     "BudgetController",
     "CalibrationConfig",

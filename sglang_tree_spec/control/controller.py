@@ -22,6 +22,14 @@ from sglang_tree_spec.control.surrogate import (
     rank_nodes,
 )
 
+# Why a step has its budget (BudgetController.reason; the step log's last column). Steps that
+# forecast: "arrivals" (as many requests arrived since the last forecast as the batch holds),
+# "probe" (a plain run drafts to re-forecast), "grew" (the batch outgrew its held choice's),
+# "expired" (no hold left: it ran out, or none was made). Steps that do not: "held" (a forecast's
+# choice holds), "explore" (re-measuring a stale cell, or the plain step before one), "profile"
+# (the start-up profile), "plain" (a plain run's step), "fixed" (a fixed budget).
+REASONS = ("arrivals", "probe", "grew", "expired", "held", "explore", "profile", "plain", "fixed")
+
 # Drafted steps whose accept lengths may wait for a host read (BudgetController._count_accepted):
 # a bound on the tensors kept alive where no forecast reads them (the start-up profile, long
 # explorations), one sync in this many steps there.
@@ -372,10 +380,12 @@ class BudgetController:
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._profiled_whole = False  # a bucket's row has every candidate measured
-        self._hold: tuple[int, int, int] | None = None  # (budget, batch size, steps left)
-        self._resume: tuple[int, int, int] | None = None  # the hold an exploration interrupted
+        # (budget, batch size, steps left, its steps' REASONS: "held", or "explore")
+        self._hold: tuple[int, int, int, str] | None = None
+        self._resume: tuple[int, int, int, str] | None = None  # the hold an exploration paused
         self._last_hold: tuple[int, int] | None = None  # (budget, steps) of the last choice's
         self._after_plain = False  # this drafted step follows a plain one (record_step)
+        self.reason = ""  # why the last step has its budget (one of REASONS)
 
     @property
     def auto(self) -> bool:
@@ -462,11 +472,13 @@ class BudgetController:
         costs without a forecast), else the last forecast's choice while it holds
         (``ControlConfig.hold_steps``)."""
         if not self.auto:
+            self.reason = "fixed"
             return self._count(self.config.fixed_budget)
         after_plain, self._steps_since_draft = self._steps_since_draft > 0, 0
         self._after_plain = after_plain  # its time is not its budget's alone (record_step)
         profiled = self._to_profile(bs)
         if profiled is not None:  # > 0: should_draft takes budget 0's profile steps plain
+            self.reason = "profile"
             return self._count(profiled)
         if not self._plain and self._explores_next():
             self._drafted_steps += 1
@@ -474,29 +486,44 @@ class BudgetController:
             # after a plain step, one step more: the first one's time is not the budget's
             steps = self.config.explore_steps + after_plain
             self._resume = self._hold  # the hold it interrupts goes on after it
-            self._hold = (budget, bs, steps - 1) if steps > 1 else None
+            self._hold = (budget, bs, steps - 1, "explore") if steps > 1 else None
+            self.reason = "explore"
             return self._count(budget)
         hold = self._hold
         if hold is None and self._resume is not None:  # an exploration ended
             hold, self._resume = self._resume, None
         if hold is None or bs > hold[1] or self._arrivals >= bs:
             self._hold = None
+            self.reason = self._forecast_reason(hold, bs)
             return None
-        budget, _, left = hold
-        self._hold = (budget, bs, left - 1) if left > 1 else None
+        budget, _, left, self.reason = hold
+        self._hold = (budget, bs, left - 1, self.reason) if left > 1 else None
         self._drafted_steps += 1
         return self._count(budget)
+
+    def _forecast_reason(self, hold: tuple[int, int, int, str] | None, bs: int) -> str:
+        """Host: why a drafted step forecasts (one of ``REASONS``), in the order that
+        :meth:`should_draft` and :meth:`held_budget` test."""
+        if self._arrivals >= bs:
+            return "arrivals"
+        if self._plain:
+            return "probe"
+        return "grew" if hold is not None else "expired"
 
     def should_draft(self, bs: int) -> bool:
         """Host only. False while auto keeps choosing 0 (except for its probes, see
         ``ControlConfig.probe_every``) or profiles budget 0: a plain decode step then skips
         the drafter entirely."""
         if not self.auto:
+            self.reason = "fixed"
             return self.config.fixed_budget > 0
         if self._to_profile(bs) is not None:
+            self.reason = "profile"
             return self._to_profile(bs) != 0
         if self._plain:
+            self.reason = "plain"
             return self._arrivals >= bs or self._steps_since_draft + 1 >= self._probe_interval
+        self.reason = "explore"
         return not self._explores_plain(bs)
 
     def forecast(
@@ -597,7 +624,7 @@ class BudgetController:
         if self._plain:
             self._last_hold = None  # after a plain run, the next choice holds hold_steps
         elif self.config.hold_steps > 1:  # best, or the cheapest > 0
-            self._hold = (verified, bs, self._hold_length(verified) - 1)
+            self._hold = (verified, bs, self._hold_length(verified) - 1, "held")
         return self._count(verified)
 
     def _hold_length(self, budget: int) -> int:

@@ -438,7 +438,7 @@ def _define_worker() -> type:
             phases = self._timer.last_step if self._timer.enabled else None  # a new dict a step
             self._open_step = (
                 controller, step_log, bs, result.budget, drafted, result.forecast,
-                result.forwards, committed, calibrated, phases, start,
+                result.forwards, committed, calibrated, phases, result.reason, start,
             )  # fmt: skip
             self._log_budgets(bs)
             new_seq_lens = prefix_lens + result.commit_lens
@@ -478,13 +478,14 @@ def _define_worker() -> type:
             now = time.perf_counter()
             if self._open_step is not None:
                 (controller, step_log, bs, budget, drafted, forecast, forwards, committed,
-                 calibrated, phases, start) = self._open_step  # fmt: skip
+                 calibrated, phases, reason, start) = self._open_step  # fmt: skip
                 controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
                 if step_log is not None:
                     tokens = int(committed.sum())
                     sums = None if calibrated is None else calibrated.tolist()
                     step_log.write(
-                        bs, budget, drafted, forecast, forwards, tokens, now - start, phases, sums
+                        bs, budget, drafted, forecast, forwards, tokens, now - start, phases, sums,
+                        reason,
                     )  # fmt: skip
             return now
 
