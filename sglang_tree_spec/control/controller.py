@@ -517,14 +517,17 @@ class BudgetController:
         if not self.auto:
             self.reason = "fixed"
             return self.config.fixed_budget > 0
-        if self._to_profile(bs) is not None:
+        profiled = self._to_profile(bs)
+        if profiled is not None:
             self.reason = "profile"
-            return self._to_profile(bs) != 0
+            return profiled != 0
         if self._plain:
-            self.reason = "plain"
+            self.reason = "plain"  # a drafting probe's reason: held_budget's
             return self._arrivals >= bs or self._steps_since_draft + 1 >= self._probe_interval
-        self.reason = "explore"
-        return not self._explores_plain(bs)
+        if self._explores_plain(bs):
+            self.reason = "explore"
+            return False
+        return True  # held_budget names the drafted step's reason
 
     def forecast(
         self,
