@@ -54,7 +54,7 @@ class VerifyLargest(BudgetController):
     def choose(self, forecast, bs: int) -> int:
         return self.config.budgets[-1]
 
-    def observe(self, forecast, budget, accept_len) -> None:
+    def observe(self, forecast, budget, accept_len, sampled=True) -> None:
         self.last_forecast = forecast
 
 
@@ -75,7 +75,7 @@ def record_steps(engine, prompts, batch_size, new_tokens, calibrate_at):
         ranks = torch.where(slots > 0, rank.gather(1, (slots - 1).clamp(0, n - 1)), n + 1)
         true = torch.stack([(ranks < b).sum(1) for b in BUDGETS], 1).float()  # [bs, C]
         assert (true[:, -1] == result.accept.accept_len).all()
-        BudgetController.observe(ctl, forecast, calibrate_at, true[:, column].long())
+        BudgetController.observe(ctl, forecast, calibrate_at, true[:, column].long(), False)
         bs = true.shape[0]
         predicted, true = forecast.accept.sum(0) + bs, true.sum(0) + bs
         predicted[0] = true[0] = 2.0 * bs  # a plain step: two forwards, two tokens a request

@@ -115,8 +115,10 @@ EXPLORE_MARGIN = 0.15
 # (serve_throughput_cpu_v30, steps_auto_24949) shows how: the bucket's profile set B 4 and B 8
 # while the load read 0.74, B 16 was first measured with the load at 0.89.
 EXPLORE_INVERTED = 0.10
-# Auto: the calibration learns from every forecast step and from every HELD_OBSERVE_EVERY-th
-# other drafted step, which counts for its stride (ControlConfig.held_observe_every): its ~80
+# Auto: the calibration learns from every HELD_OBSERVE_EVERY-th drafted step, forecast or held
+# (a grafted tree: from its forecast steps alone), which counts for its stride
+# (ControlConfig.held_observe_every; until session 44 every forecast step was calibrated too,
+# 0.4 ms of the observe phase on 10-20% of auto's steps through SGLang): its ~80
 # small tensor ops cost 0.29 ms at batch size 4 in inference mode on this CPU (0.3 ms of a
 # 12.5 ms step at batch size 1 through SGLang; ~60 ops and 0.25 ms since 2026-11-29, the
 # factors read once), on most steps of an auto server; at one in
@@ -236,8 +238,8 @@ class StepResult:
         forwards: target forwards the step ran: 1 when drafted; a plain step's forwards, each
             committing one token a request (``accept`` then reports them as an accepted chain).
         calibrated: ``[2]`` the step's predicted and accepted draft tokens summed over its
-            requests when the budget controller calibrated on it (a forecast step, a sampled
-            held one), else None.
+            requests when the budget controller calibrated on it (a sampled drafted step; a
+            grafted tree's forecast step), else None.
         reason: why the step has its budget (``BudgetController.reason``, one of
             ``control.REASONS``).
     """
@@ -315,7 +317,7 @@ def decode_step(
             backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
         )
         if forecast is not None:
-            calibrated = controller.observe(forecast, budget, accept.accept_len)
+            calibrated = controller.observe(forecast, budget, accept.accept_len, selector.nested)
         else:
             controller.observe_committed(budget, accept.accept_len)
             if selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate

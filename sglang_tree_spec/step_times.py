@@ -13,9 +13,9 @@ step: batch size, budget, whether it drafted or forecast, target forwards, commi
 the step's period (the latency model's measurement), for reading the budget control step by
 step (``benchmarks/step_log_report.py``); with ``SGLANG_TREE_SPEC_STEP_TIMES`` too, the step's
 seconds per phase (:data:`PHASES`; blank without it); and for a step the budget control
-calibrated on (a forecast step, a sampled held one) its predicted and accepted draft tokens
-summed over its requests (blank for the others). Each line reads the committed tokens (and
-those sums): a device read.
+calibrated on (a sampled drafted step; a grafted tree's forecast step) its predicted and
+accepted draft tokens summed over its requests (blank for the others). Each line reads the
+committed tokens (and those sums): a device read.
 """
 
 from __future__ import annotations

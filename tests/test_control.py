@@ -330,6 +330,38 @@ def test_an_unmeasured_cell_keeps_its_columns_ratio_to_its_rows_measured_cells()
     assert model.row(2) == pytest.approx([0.015, 0.018, 0.024])
 
 
+def test_a_held_cells_steps_refit_no_row_and_every_decision_reads_a_fresh_one(monkeypatch):
+    """A step of the cell before it, once that cell is settled and weighs its most, moves no
+    cell, only the calibration's weights: its step-time error reads its row as last fitted (no
+    refit per held step), while a decision's read (:meth:`row`) is refitted to the calibration
+    as it stands (here batch size 2's row, read from batch size 1's through the calibrated
+    priors). A switch moves two cells, and the next step's error reads its row refitted."""
+    prior = [[0.01, 0.02, 0.04], [0.02, 0.03, 0.06]]
+    model = LatencyModel(prior, (0, 4, 8), bs_buckets=(1, 2))
+    times = {0: 0.010, 4: 0.014, 8: 0.030}  # not on one line with the priors
+    for _ in range(3):
+        for budget, seconds in times.items():
+            model.record(1, budget, seconds)
+    for budget, seconds in times.items():  # each settles at its full weight
+        for _ in range(int(model.config.max_weight)):
+            model.record(1, budget, seconds)
+    fits = []
+    fit_row = model._fit_row
+    monkeypatch.setattr(model, "_fit_row", lambda bucket: fits.append(bucket) or fit_row(bucket))
+    stale = model.row(2)
+    fits.clear()
+    for seconds in (0.031, 0.029, 0.032):  # held: no cell moves, no refit
+        model.record(1, 8, seconds)
+    assert fits == []
+    fresh = [model.load * c for c in fit_row(1)]
+    assert fresh != pytest.approx(stale, rel=1e-4)  # the calibration's weights moved
+    assert model.row(2) == pytest.approx(fresh, rel=1e-12) and fits == [1]  # a decision's read
+    model.record(1, 0, 0.010)  # a switch: both cells move
+    fits.clear()
+    model.record(1, 0, 0.010)
+    assert fits == [0]
+
+
 def test_unpadded_batch_sizes_are_cells_of_their_own_between_profiled_neighbours():
     """Where nothing pads a batch (a CPU), every batch size is a cell: a step of 11 requests
     is not recorded as one of 16 (which costs more). Only the usual buckets are profiled; a
@@ -760,15 +792,17 @@ def test_a_choice_made_again_holds_twice_as_long_up_to_hold_max_steps():
         ControlConfig(hold_steps=4, hold_max_steps=2)
 
 
-@pytest.mark.parametrize("observe_every, mean", [(1, 2.25), (3, 4.5)])
-def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
+@pytest.mark.parametrize("observe_every", [1, 3])
+def test_held_steps_calibrate_the_forecasts_they_follow(observe_every):
     """Forecast steps are the hard ones (a request's first steps, the step after a plain run);
     the held steps each forecast governs calibrate too, so the forecasts predict the steps they
     govern: here every forecast step accepts nothing and the three held steps after it 1, 2
     and 6 tokens, and the forecast predicts the mean of all steps, 2.25 (calibrated on forecast
-    steps alone: ~0). With ``held_observe_every=3`` the third held step alone is observed,
-    standing for three: (0 + 3 x 6) / 4 = 4.5 (unweighted, the forecast steps would weigh as
-    much as the held ones: (0 + 6) / 2 = 3)."""
+    steps alone: ~0). With ``held_observe_every=3`` every third drafted step is calibrated,
+    forecast or held, standing for three: the turns rotate through the 4-step cycle, (0 + 1 +
+    2 + 6) / 4 = 2.25 again (the forecast steps calibrated every time, standing for one, and
+    the held ones on a stride of their own, the third held step alone: (0 + 3 x 6) / 4 = 4.5)."""
+    mean = 2.25
     budgets, bs, hold = (0, 4, 8), 4, 4
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
     config = ControlConfig(
@@ -796,18 +830,20 @@ def test_held_steps_calibrate_the_forecasts_they_follow(observe_every, mean):
 
 def test_predicted_and_observed_accept_are_compared_on_the_same_calibrated_steps():
     """A grafted tree's held steps do not calibrate (not a nested DDTree: ``decode_step`` calls
-    ``observe_committed`` alone): the prediction covers the forecast steps, and the observed
-    accept length it is compared with (``mean_calibrated_accept``) covers those same steps, here
-    1 token against the held steps' 5; the exact totals still count every step."""
+    ``observe_committed`` alone), and its forecast steps are calibrated every time, off the
+    held steps' stride (``sampled=False``): the prediction covers the forecast steps, and the
+    observed accept length it is compared with (``mean_calibrated_accept``) covers those same
+    steps, here 1 token against the held steps' 5; the exact totals still count every step."""
     budgets, bs, hold = (0, 4, 8), 2, 4
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 2, 64))
-    config = ControlConfig(budgets=budgets, hold_steps=hold, max_depth=15)
+    config = ControlConfig(budgets=budgets, hold_steps=hold, max_depth=15, held_observe_every=8)
     ctl = BudgetController(config, flat, max_slots=bs)
     tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
     for _ in range(50):
         assert ctl.held_budget(bs) is None
         fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
-        ctl.observe(fc, ctl.choose(fc, bs), torch.ones(bs, dtype=torch.long))
+        step = ctl.observe(fc, ctl.choose(fc, bs), torch.ones(bs, dtype=torch.long), False)
+        assert step is not None
         for _ in range(hold - 1):
             ctl.observe_committed(ctl.held_budget(bs), torch.full((bs,), 5))
     stats = ctl.stats()
@@ -817,17 +853,18 @@ def test_predicted_and_observed_accept_are_compared_on_the_same_calibrated_steps
 
 
 def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
-    """Each calibrated request-step adds (weight x (predicted - accepted))^2, a held step
-    sampled one in ``held_observe_every`` counting for that many: the standard error of the
-    mean gap is the square root of the sum over the calibrated request-steps (so a 10% gap
-    over a few dozen request-steps reads as noise, over thousands as a bias)."""
+    """Each calibrated request-step adds (weight x (predicted - accepted))^2, a drafted step
+    (forecast or held) sampled one in ``held_observe_every`` counting for that many: the
+    standard error of the mean gap is the square root of the sum over the calibrated
+    request-steps (so a 10% gap over a few dozen request-steps reads as noise, over thousands
+    as a bias)."""
     budgets, bs, hold, every = (0, 4, 8), 3, 3, 2
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 4, 64))
     config = ControlConfig(budgets=budgets, hold_steps=hold, held_observe_every=every)
     ctl = BudgetController(config, flat, max_slots=bs)
     tree, rows = strong_or_useless_tree(bs, strong=True, budget=8), torch.arange(bs)
     coins = torch.Generator().manual_seed(3)
-    squared, steps, held_seen = 0.0, 0, 0
+    squared, steps, seen = 0.0, 0, 0
     logged = torch.zeros(2)  # the steps' own [predicted, accepted] sums, weighted by stride
     for _ in range(20):
         assert ctl.held_budget(bs) is None
@@ -835,23 +872,28 @@ def test_the_gap_between_predicted_and_observed_comes_with_its_standard_error():
         budget = ctl.choose(fc, bs)
         accept = torch.randint(0, 4, (bs,), generator=coins)
         predicted = fc.accept[:, budgets.index(budget)]  # what the step is compared with
-        squared, steps = squared + (predicted - accept).square().sum().item(), steps + bs
+        seen += 1
+        if seen % every == 0:
+            error = (every * (predicted - accept)).square().sum().item()
+            squared, steps = squared + error, steps + every * bs
         step = ctl.observe(fc, budget, accept)
-        assert step.tolist() == pytest.approx([predicted.sum().item(), accept.sum().item()])
-        logged += step
+        assert (step is not None) == (seen % every == 0)  # None: not calibrated
+        if step is not None:
+            assert step.tolist() == pytest.approx([predicted.sum().item(), accept.sum().item()])
+            logged += every * step
         for _ in range(hold - 1):
             held = top_nodes(tree, ctl.held_budget(bs))
             # its prediction now: the same nodes, the calibration as it stands
             now = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
             predicted = now.accept[:, budgets.index(ctl.last_budget)]
             accept = torch.randint(0, 4, (bs,), generator=coins)
-            held_seen += 1
-            if held_seen % every == 0:  # sampled: counts for ``every`` steps
+            seen += 1
+            if seen % every == 0:  # sampled: counts for ``every`` steps
                 error = (every * (predicted - accept)).square().sum().item()
                 squared, steps = squared + error, steps + every * bs
             ctl.observe_committed(ctl.last_budget, accept)
             step = ctl.observe_held(rows, held.logprobs, held.depths, held.valid, accept)
-            assert (step is not None) == (held_seen % every == 0)  # None: not calibrated
+            assert (step is not None) == (seen % every == 0)  # None: not calibrated
             if step is not None:
                 logged += every * step
     stats = ctl.stats()

@@ -46,8 +46,8 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
     else:
         fc, n = None, ctl.choose(None, bs)               # 0: plain decode step
     ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...
-    if fc is not None:
-        ctl.observe(fc, n, result.accept_len)            # sync-free calibration update
+    if fc is not None:                                   # sync-free calibration update, on
+        ctl.observe(fc, n, result.accept_len)            # the drafted steps' stride
     elif held:                                           # the DDTree at n, no ranking
         ctl.observe_committed(n, result.accept_len)      # sync-free: the drafting-pays sums
         ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len)

@@ -164,11 +164,12 @@ class ControlConfig:
         hard stretch of text, not a useless drafter) is followed by this many plain steps,
         then a probe (0: none, drafting goes on). Hard text comes in stretches: the step after
         one whose drafts do not pay tends not to pay either.
-    held_observe_every: the calibration learns from every this many drafted steps without a
-        forecast (:meth:`BudgetController.observe_held`; 1: all of them), each standing for
-        its stride (weight and decay of that many steps: unweighted, the hard forecast steps
-        would weigh more in the calibration than in the steps served, and predict low). A
-        fixed stride is an unbiased sample of the held steps (it does not look at their text),
+    held_observe_every: the calibration learns from every this many drafted steps, forecast
+        or held (:meth:`BudgetController.observe` and :meth:`~BudgetController.observe_held`;
+        1: all of them; a grafted tree: from every forecast step alone), each standing for its
+        stride (weight and decay of that many steps: unweighted, the hard forecast steps would
+        weigh more in the calibration than in the steps served, and predict low). A fixed
+        stride is an unbiased sample of the drafted steps (it does not look at their text),
         and each update is ~30 small tensor ops: on CPU through SGLang 0.3 ms of a 12.5 ms step
         at batch size 1, paid on most steps of an auto server and on none of a fixed one's.
     calibration: the acceptance calibration's decays and priors.
@@ -268,9 +269,9 @@ class ControlStats:
     Attributes:
         last_budget: the last step's budget (None before the first).
         predicted_accept_tokens: the calibrated prediction at the verified budget, summed over
-            the calibrated request-steps: every forecast step's and every
-            ``ControlConfig.held_observe_every``-th held one's, each counting for its stride (a
-            grafted tree's held steps are not calibrated: :meth:`BudgetController.observe_held`).
+            the calibrated request-steps: every ``ControlConfig.held_observe_every``-th drafted
+            step's, forecast or held, each counting for its stride (a grafted tree's: every
+            forecast step's, counting for itself; its held steps are not calibrated).
         accepted_tokens: accepted draft tokens over every drafted request-step (exact).
         request_steps: drafted request-steps (exact; budget-0 steps not counted).
         budget_counts: steps per chosen budget.
@@ -376,7 +377,7 @@ class BudgetController:
         # priced when they are folded in) and, once read, their accepted draft tokens per request
         self._held: list[tuple[int, int]] = []
         self._held_accepted: list[float] = []
-        self._held_seen = 0  # steps offered to observe_held (its stride)
+        self._drafted_seen = 0  # drafted steps on the calibration's stride (_stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
         self._profiled_whole = False  # a bucket's row has every candidate measured
@@ -678,10 +679,10 @@ class BudgetController:
         decayed sums, in order."""
         if not self._held:
             return
-        budgets = self.config.budgets
+        budgets, rows = self.config.budgets, {}
         costs = []  # each held step's C(bs, N) / C(bs, 0), at the model's times now
         for budget, bs in self._held:
-            seconds = self.latency.row(bs)
+            seconds = rows.get(bs) or rows.setdefault(bs, self.latency.row(bs))
             costs.append(seconds[budgets.index(budget)] / seconds[0])
         for decay, gain in zip(self._gain_decays, self._drafted_gain, strict=True):
             weight = 1.0
@@ -707,21 +708,35 @@ class BudgetController:
         return any(tokens > plain_steps for tokens, plain_steps in self._drafted_gain)
 
     def observe(
-        self, forecast: Forecast, budget: int, accept_len: torch.Tensor
+        self, forecast: Forecast, budget: int, accept_len: torch.Tensor, sampled: bool = True
     ) -> torch.Tensor | None:
-        """Sync-free update after acceptance of a step verified at ``budget`` (its top-N
-        nodes). ``accept_len``: ``[bs]`` accepted draft tokens, bonus excluded. A budget-0
-        step carries no information and is skipped. Returns the step's ``[2]`` predicted and
-        accepted draft tokens summed over its requests (None when skipped): the per-step
-        record of the calibration (:class:`~sglang_tree_spec.step_times.StepLog`)."""
+        """Sync-free update after acceptance of a step that forecast and verified ``budget``
+        (its top-N nodes). ``accept_len``: ``[bs]`` accepted draft tokens, bonus excluded. A
+        budget-0 step carries no information and is skipped. ``sampled``: the verified tree is
+        the forecast's DDTree, whose held steps are calibrated too (:meth:`observe_held`): the
+        step takes its turn on their stride of ``ControlConfig.held_observe_every`` drafted
+        steps, standing for that many; else (a grafted tree) every forecast step is calibrated,
+        standing for itself. Returns the step's ``[2]`` predicted and accepted draft tokens
+        summed over its requests when calibrated (else None): the per-step record of the
+        calibration (:class:`~sglang_tree_spec.step_times.StepLog`)."""
         n = min(budget, forecast.tree_budget)
         if n <= 0:
             return None
         self._count_accepted(accept_len, held=False)
+        weight = self._stride() if sampled else 1
+        if not weight:
+            return None
         cal = self.calibrator
         mass = cal.depth_mass(forecast.probs[:, :n], forecast.depths[:, :n])  # [bs, L+1]
         depth_cal = forecast.weights[:, :n].sum(1)  # [bs]
-        return self._learn(forecast.rows, mass, depth_cal, forecast.factors, accept_len, 1)
+        return self._learn(forecast.rows, mass, depth_cal, forecast.factors, accept_len, weight)
+
+    def _stride(self) -> int:
+        """Host: one more drafted step on the calibration's stride; the steps it stands for
+        when it is the stride's turn (``ControlConfig.held_observe_every``), else 0."""
+        every = self.config.held_observe_every
+        self._drafted_seen += 1
+        return 0 if self._drafted_seen % every else every
 
     def observe_held(
         self,
@@ -736,24 +751,24 @@ class BudgetController:
         (``[bs, N]``). Forecast steps are the hard ones (a request's first steps, the step
         after a plain run): calibrated on them alone, the predictions would be right there and
         low for the held steps each forecast governs, and a uniformly low A compresses the
-        ratios (1 + A(N)) / (1 + A(N')) toward the smaller budget. Every forecast step and
-        every ``ControlConfig.held_observe_every``-th other drafted step is calibrated
-        instead (and its prediction summed for the metrics; :meth:`observe_committed` counts
-        every step's accepted tokens). Sums over nodes need no ranking: the raw mass per
-        depth is one scatter of the valid nodes' probabilities, its calibrated sum one product
-        with the depth factors (~30 small ops, ~0.1 ms on this CPU alone, 0.3 ms in a server).
-        Returns what :meth:`observe` returns for a calibrated step, None for the others."""
+        ratios (1 + A(N)) / (1 + A(N')) toward the smaller budget. Every
+        ``ControlConfig.held_observe_every``-th drafted step, forecast (:meth:`observe`) or
+        not, is calibrated instead (and its prediction summed for the metrics;
+        :meth:`observe_committed` counts every step's accepted tokens). Sums over nodes need no
+        ranking: the raw mass per depth is one scatter of the valid nodes' probabilities, its
+        calibrated sum one product with the depth factors (~30 small ops, ~0.1 ms on this CPU
+        alone, 0.3 ms in a server). Returns what :meth:`observe` returns for a calibrated step,
+        None for the others."""
         if not self.auto or logprobs.shape[1] == 0:
             return None
-        every = self.config.held_observe_every
-        self._held_seen += 1
-        if self._held_seen % every:
+        weight = self._stride()
+        if not weight:
             return None
         cal = self.calibrator
         probs = torch.where(valid, logprobs.float().exp(), 0.0)  # [bs, N]
         mass = cal.depth_mass(probs, depths)  # [bs, L+1]
         depth_cal = mass @ cal.depth_table()  # [bs]
-        return self._learn(rows, mass, depth_cal, cal.factors(rows), accept_len, every)
+        return self._learn(rows, mass, depth_cal, cal.factors(rows), accept_len, weight)
 
     def _learn(
         self, rows, mass, depth_cal, factors: Factors, accept_len, weight: int
@@ -761,9 +776,9 @@ class BudgetController:
         """Fold one verified step into the calibration and the predicted/observed totals:
         ``[bs, L+1]`` raw predicted mass per depth, ``[bs]`` its depth-calibrated sum, the
         calibration's ``factors`` (read once: the prediction's and the update's), and accepted
-        draft tokens. ``weight``: the
-        steps it stands for (a held step observed for its stride of ``held_observe_every``): the
-        mix of forecast (hard) and held steps in the calibration stays that of the steps served.
+        draft tokens. ``weight``: the steps it stands for (a drafted step observed for its
+        stride of ``held_observe_every``): the mix of forecast (hard) and held steps in the
+        calibration stays that of the steps served.
         Returns the step's ``[2]`` predicted and accepted draft tokens, unweighted (what
         :meth:`observe` returns)."""
         predicted = (depth_cal * factors.scale).clamp_(0.0, float(self.config.max_depth))

@@ -303,7 +303,8 @@ class LatencyModel:
         self._err_count = 0
         self.predicted_seconds = 0.0  # summed over the recorded steps, each before its update
         self.measured_seconds = 0.0
-        self._rows: dict[int, list[float]] = {}  # bucket -> row, until the next record
+        self._rows: dict[int, list[float]] = {}  # bucket -> its row as last fitted
+        self._fitted: set[int] = set()  # buckets whose row is fitted to the cells as they are
         self._residuals = collections.deque(maxlen=config.load_window)  # log time - its cost
         self.load = 1.0  # the machine's speed now over its speed when the cells were measured
         self._settled_speed: float | None = None  # log speed of the last settled cell's step
@@ -364,8 +365,9 @@ class LatencyModel:
 
     def _unloaded_row(self, bs: int) -> list[float]:
         bucket = bucket_of(self.bs_buckets, bs)
-        if bucket not in self._rows:
+        if bucket not in self._fitted:
             self._rows[bucket] = self._fit_row(bucket)
+            self._fitted.add(bucket)
         return self._rows[bucket]
 
     def _fit_row(self, bucket: int) -> list[float]:
@@ -429,7 +431,11 @@ class LatencyModel:
         if column is None or not seconds > 0.0:
             return False
         bucket = bucket_of(self.bs_buckets, bs)
-        predicted = self.seconds(bs, budget)
+        # the row as last fitted: refitted after a step that moved a cell, not after one that
+        # only moved the calibration (a held budget's steps: a refit each, for this error
+        # alone, cost them more than the rest of the controller's work on a step)
+        row = self._rows.get(bucket)
+        predicted = self.load * (self._unloaded_row(bs) if row is None else row)[column]
         self._abs_rel_err += abs(predicted - seconds) / seconds
         self._err_count += 1
         self.predicted_seconds += predicted
@@ -439,6 +445,8 @@ class LatencyModel:
             self._first[cell] = []
             bisect.insort(self._measured[column], bucket)
         first = self._first.get(cell)
+        count = self.count[bucket][column] = self.count[bucket][column] + 1
+        moved = first is not None or count <= self.config.max_weight  # a cell's cost or weight
         if first is not None:  # at the speed the cells were measured at
             speed = math.log(self.load) if self._settled_speed is None else self._settled_speed
             first.append(x - speed)
@@ -447,6 +455,7 @@ class LatencyModel:
                 del self._first[cell]
         elif self._last is not None and self._last[0] != cell and self._last[0] in self._cost:
             self._pair(self._last[0], self._last[1], cell, x)
+            moved = True
         self._last = (cell, x)
         self._residuals.append(x - self._cost[cell])
         if first is None:  # a settled cell: this step's speed, a switch's measure for the next
@@ -456,8 +465,9 @@ class LatencyModel:
         d = self.config.calib_decay
         for i, v in enumerate((1.0, prior, y, prior * prior, prior * y)):
             self._sums[i] = self._sums[i] * d + v
-        self.count[bucket][column] += 1
-        self._rows.clear()  # the calibration moved every prior: every row is refitted
+        self._fitted.clear()  # the calibration moved every prior: a decision refits its row
+        if moved:
+            self._rows.clear()
         return True
 
     def _pair(self, a: tuple[int, int], xa: float, b: tuple[int, int], xb: float) -> None:
@@ -499,9 +509,11 @@ class LatencyModel:
             self._switches.pop((bucket, column), None)
             self._measured[column].remove(bucket)
             self._rows.clear()
+            self._fitted.clear()
 
     def mean_abs_rel_error(self) -> float:
-        """Mean |predicted - measured| / measured of every recorded step, before its update."""
+        """Mean |predicted - measured| / measured of every recorded step, before its update
+        (from its bucket's row as last fitted, times the load then)."""
         return self._abs_rel_err / max(self._err_count, 1)
 
     @property
