@@ -130,12 +130,16 @@ def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) 
             continue
         best = max(rates, key=rates.get)
         time = sum(step[4] for step in steps)
-        ratio = sum(step[3] for step in steps) / time / rates[best]
+        tokens = sum(step[3] for step in steps)
+        ratio = tokens / time / rates[best]
         relative = ", ".join(f"B {b} {r / rates[best]:.3f}" for b, r in sorted(rates.items()))
+        charged = sum(_pinned_time(cells, step) for step in steps)
         lines += [
             "",
             f"batch size {size}: auto {ratio:.3f}x the best pinned budget (B {best}; "
-            f"pinned: {relative})",
+            f"pinned: {relative}); at the pinned budgets' mean step times its steps read "
+            f"{tokens / charged / rates[best]:.3f}x (its choices), and they took "
+            f"{time / charged - 1:+.1%} longer than that (their own cost)",
             "",
             "| kind | budget | steps | time share | ms / step | pinned ms / step | loss |",
             "|---|---:|---:|---:|---:|---:|---:|",
@@ -163,6 +167,14 @@ def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) 
                     f"{1e3 * seconds / n:.2f} | {_loss(loss, time)} |"
                 )
     return "\n".join(lines)
+
+
+def _pinned_time(cells: dict, step: tuple) -> float:
+    """A step of auto's charged the mean time of its pinned budget's steps at its batch size
+    (its own time when that budget was not pinned, or it is a plain step)."""
+    bs, budget, k, _, seconds, _ = step
+    cell = cells.get((bs, budget))
+    return cell[1] / cell[2] if k != "plain" and cell and cell[2] else seconds
 
 
 def _loss(loss: float, time: float) -> str:

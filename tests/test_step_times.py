@@ -72,7 +72,9 @@ def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path)
     """Beside its pinned budgets' logs (the same process), auto's steps are read per batch size
     against the best pinned budget's tokens per second: auto's ratio, and each (kind, budget)'s
     loss, the time its steps took beyond the best budget's for their tokens (summing to 1 -
-    the ratio); a batch size whose pinned budgets ran too few steps is left out."""
+    the ratio); the ratio split into auto's choices (its steps charged the pinned budgets' mean
+    step times) and its steps' own cost (their time over that); a batch size whose pinned
+    budgets ran too few steps is left out."""
     from benchmark_helpers import load_benchmark
 
     from sglang_tree_spec.step_times import StepLog
@@ -94,6 +96,8 @@ def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path)
     # auto: 44 tokens in 53 ms against 1 token / ms: 0.830; lost 5 (forecast) + 4 (plain)
     ratio = "batch size 2: auto 0.830x the best pinned budget (B 8; pinned: B 4 0.800, B 8 1.000)"
     assert ratio in table
+    # charged the pinned B 8's 10 ms a step, its plain step its own 8: 44 tokens in 48 ms
+    assert "its steps read 0.917x (its choices), and they took +10.4% longer" in table
     assert "| forecast | 8 | 1 | 28.3% | 15.00 | 10.00 | +9.4% |" in table
     assert "| held | 8 | 3 | 56.6% | 10.00 | 10.00 | +0.0% |" in table
     assert "| plain | 0 | 1 | 15.1% | 8.00 | - | +7.5% |" in table

@@ -112,11 +112,21 @@ class AcceptCalibrator:
         self.request_sums = torch.zeros(max_slots, 2, device=device)  # [S, 2] P_i, O_i
         self.age_sums = torch.zeros(config.age_buckets, 2, device=device)  # [A, 2] P_a, O_a
         self.ages = torch.zeros(max_slots, dtype=torch.long, device=device)  # [S] steps
+        # the depth and age tables of the sums as they are, until the next update (the sums
+        # change there alone): a forecast and the calibrated step after it read them once
+        self._tables: dict[str, torch.Tensor] = {}
         # [L+1] the depth of each column; column 0 is no depth: an id no accept length reaches
         self._depth_ids = torch.arange(max_depth + 1, device=device)
         self._depth_ids[0] = max_depth + 1
 
     def depth_table(self) -> torch.Tensor:
+        """``[L+1]`` s_d at column d (:meth:`_depth_table`), read once per update."""
+        table = self._tables.get("depth")
+        if table is None:
+            table = self._tables["depth"] = self._depth_table()
+        return table
+
+    def _depth_table(self) -> torch.Tensor:
         """``[L+1]`` s_d at column d (column 0: 1, no depth, never read by a mass).
 
         Each depth is shrunk toward the depth above it, not toward 1:
@@ -152,9 +162,12 @@ class AcceptCalibrator:
         return (self.ages[rows] // cfg.age_steps).clamp_(max=cfg.age_buckets - 1)
 
     def age_table(self) -> torch.Tensor:
-        """``[A]`` g_a of every age bucket."""
-        sums = self.age_sums + self.config.age_prior
-        return sums[:, 1] / sums[:, 0]
+        """``[A]`` g_a of every age bucket, read once per update."""
+        table = self._tables.get("age")
+        if table is None:
+            sums = self.age_sums + self.config.age_prior
+            table = self._tables["age"] = sums[:, 1] / sums[:, 0]
+        return table
 
     def age_scale(self, rows: torch.Tensor) -> torch.Tensor:
         """``[bs]`` g_a for the age of each slot in ``rows`` (``[bs]`` int64)."""
@@ -214,6 +227,7 @@ class AcceptCalibrator:
         self.request_sums[rows] = decayed.add_(request, alpha=weight)
         self.age_sums.mul_(cfg.age_decay**weight).index_add_(0, buckets, age, alpha=weight)
         self.ages[rows] += weight
+        self._tables.clear()  # the sums moved
 
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the history of slots ``rows`` (``[n]`` int64): a request left or arrived."""
