@@ -6,22 +6,23 @@ request-step and committed tokens per millisecond, and, when the server also ran
 ``SGLANG_TREE_SPEC_STEP_TIMES=N``, the mean milliseconds of each phase of the step
 (``step_times.PHASES``); and for auto, over the steps it calibrated on (one drafted step in
 ``step.HELD_OBSERVE_EVERY``; a grafted tree's forecast steps), the mean predicted and accepted
-draft tokens per request-step (where its predictions miss, by kind of step). Kinds: ``forecast`` (auto chose the budget this step),
-``held`` (a fixed budget, or auto holding, exploring or profiling one), ``plain`` (no draft).
-Reading auto's rows beside the fixed servers' shows where auto's time goes.
+draft tokens per request-step (where its predictions miss, by kind of step). Kinds: ``forecast``
+(auto chose the budget this step), ``held`` (a fixed budget, or auto holding, exploring or
+profiling one), ``plain`` (no draft). Reading auto's rows beside the fixed servers' shows where
+auto's time goes.
 
 When the auto server also ran pinned budgets (``serve_throughput.py``'s ``ddtree:auto/N``: their
-steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, for
-auto and each auto variant pinned there (``steps_auto-pinauto..._<pid>.csv``), per batch size,
-its committed tokens per second over the best pinned budget's, split in two (its choices: its
-steps charged the mean step time of their pinned budget; their own cost: their time over
-that), and what each of its (kind, budget) costs it: its time share, its mean step against
-the pinned budget's at that batch size, and its loss, the time its steps took beyond what the best pinned budget needs for their
-tokens, as a share of its time (the losses sum to 1 - its ratio; a negative loss: those steps
-did better than the best budget's average). Logs with a ``reason`` column
-(``control.REASONS``: why each step has its budget) add the same losses per reason: which
-forecasts (arrivals, expired holds, a grown batch, probes) and which other steps (held choices,
-explorations, the profile, plain runs) cost what.
+steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, for auto
+and each auto variant pinned there (``steps_auto-pinauto..._<pid>.csv``), per batch size, its
+committed tokens per second over the best pinned budget's, split in two (its choices: its steps
+charged the mean step time of their pinned budget; their own cost: their time over that), and what
+each of its (kind, budget) costs it: its time share, its mean step against the pinned budget's at
+that batch size, and its loss, the time its steps took beyond what the best pinned budget needs for
+their tokens, as a share of its time (the losses sum to 1 - its ratio; a negative loss: those steps
+did better than the best budget's average). Logs with a ``reason`` column (``control.REASONS``: why
+each step has its budget) add the same losses per reason: which forecasts (arrivals, expired holds,
+a grown batch, probes) and which other steps (held choices, explorations, the profile, plain runs)
+cost what.
 
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
