@@ -2,9 +2,10 @@
 
 Every configuration's server is started with SGLang's own launcher (``--enable-metrics``,
 ``--sleep-on-idle``) and kept up (on a GPU one configuration at a time); at each concurrency
-each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`), then
-``--repeats`` waves of the same held-out prompts (greedy, fixed output length, streamed),
-interleaved across configurations (:func:`measure`).
+each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`) and has its
+garbage collector frozen (:func:`freeze_gc`), then ``--repeats`` waves of the same held-out
+prompts (greedy, fixed output length, streamed), interleaved across configurations
+(:func:`measure`).
 Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
 tau (tokens per decode step, bonus included; a DDTREE plain step commits two), time to first
 token and the gaps between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures
@@ -332,11 +333,23 @@ def warm_up(
     run_wave(base_url, prompts, len(prompts), new_tokens, pin)
 
 
+def freeze_gc(base_url: str) -> None:
+    """SGLang's ``/freeze_gc`` (what its own warning advises after warm-up requests): the
+    server's processes move every object alive now out of the garbage collector's scans. Without
+    it a full collection of the scheduler's ~670k objects took 0.52 s every ~1.5 min of the
+    benchmark (``--gc-warning-threshold-secs``, small pair on this CPU), landing on whichever
+    wave ran then: twice on the same auto wave at concurrency 8, at ~0.62x its other waves."""
+    request = urllib.request.Request(f"{base_url}/freeze_gc", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60):
+        pass
+
+
 def measure(
     args: argparse.Namespace, configs: list[str], prompts: list[list[int]], logs: Path
 ) -> dict[str, list]:
     """The ``configs``' servers up at once (idle ones asleep; a pinned ``SERVER/N`` runs in
-    SERVER's), then per concurrency: a warm-up wave on each server, and ``--repeats``
+    SERVER's), then per concurrency: a warm-up wave on each server (its garbage collector
+    frozen after it), and ``--repeats``
     measured waves per configuration, interleaved (the order rotating each repeat) so that
     drifts of this machine's speed fall on every configuration alike. Returns each
     configuration's rows, one per concurrency."""
@@ -361,6 +374,7 @@ def measure(
                     for config in configs:  # its auto variants: their own profiles
                         if server_of(config) == server and isinstance(pins[config], str):
                             warm_up(url, prompts[:c], args.new_tokens, pins[config])
+                    freeze_gc(url)
                     before[server] = ddtree_metrics(url)
                 waves: dict[str, list] = {config: [] for config in configs}
                 for repeat in range(args.repeats):
