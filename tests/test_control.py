@@ -707,8 +707,9 @@ def test_the_choice_reads_each_requests_average_forecast_not_one_hard_step():
 def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     """A forecast's budget > 0 serves the next ``hold_steps - 1`` drafted steps of the same
     batch without a forecast (counted as their choices); as many requests arriving as the
-    batch holds or a batch that grows ends the hold (one arrival of several does not, nor do
-    requests leaving), a forecast that prefers plain steps starts none. Each step names why
+    batch holds or a batch that outgrows the one the choice was made for ends the hold (one
+    arrival of several does not, nor do requests leaving, nor others replacing them), a
+    forecast that prefers plain steps starts none. Each step names why
     it has its budget (``reason``, the step log's column)."""
     budgets = (0, 4, 8, 16, 32, 64)
     flat = LatencyModel([[0.01] * len(budgets)] * 3, budgets, bs_buckets=(1, 8, 64))
@@ -737,6 +738,8 @@ def test_a_choice_holds_for_hold_steps_of_the_same_batch():
     ctl.reset(torch.arange(7))  # as many arrivals as the batch holds: a renewed batch
     assert forecast_step(reason="arrivals") == 64
     assert ctl.held_budget(4) == 64  # requests left: the rest were forecast, held on
+    assert ctl.held_budget(8) == 64  # others replaced them: the batch the choice was made for
+    assert forecast_step(bs=4) == 64
     assert ctl.held_budget(5) is None and ctl.reason == "grew"  # the batch grew: forecast again
     useless = strong_or_useless_tree(8, strong=False)
     fc = ctl.forecast(rows, useless.logprobs, useless.depths, useless.valid)
