@@ -103,10 +103,16 @@ EXPLORE_STEPS = 3
 FORGET_AFTER = 512
 # Auto: explorations re-measure the contenders alone, the budgets whose predicted rate at the
 # bucket's last forecast was within this fraction of the best (ControlConfig.explore_margin):
-# a budget further behind than the cells' noise (5-10% on this CPU) cannot become the choice by
-# a fresher time, and re-measuring it only costs (budget 32 at batch size 16: twice budget 4's
-# step).
-EXPLORE_MARGIN = 0.15
+# a budget further behind cannot become the choice by a fresher time, and re-measuring it only
+# costs (budget 32 at batch size 16: twice budget 4's step). 0.15 until session 45, when an
+# auto variant at 0.08 in the same server (small pair, 12 waves, `serve_throughput.py ...
+# ddtree:auto/auto:margin=0.08`, serve_throughput_cpu_v57_margin_variants) read 0.997 / 1.000
+# / 1.042 / 1.013 / 1.054x auto's tokens/s at concurrency 1 / 2 / 4 / 8 / 16, paired per wave
+# (with explorations half as often as well, 0.996 / 1.023 / 1.014 / 1.036 / 1.021): fewer
+# explorations and profile steps at budgets that do not win (B 32 at batch size 4-16, B 4 at
+# 1). A cell read too dear by more than the margin is still re-measured through
+# EXPLORE_INVERTED, and the cells' noise (5-10% on this CPU) moves a budget in and out.
+EXPLORE_MARGIN = 0.08
 # Auto: a budget whose measured step time exceeds a larger budget's by more than this fraction
 # is explored whatever its predicted rate (ControlConfig.explore_inverted): a larger tree is
 # never less work, so its cell was set at another speed of the machine. Above the cells' noise
