@@ -22,7 +22,9 @@ their tokens, as a share of its time (the losses sum to 1 - its ratio; a negativ
 did better than the best budget's average). Logs with a ``reason`` column (``control.REASONS``: why
 each step has its budget) add the same losses per reason: which forecasts (arrivals, expired holds,
 a grown batch, probes) and which other steps (held choices, explorations, the profile, plain runs)
-cost what.
+cost what. Logs with phase times (``SGLANG_TREE_SPEC_STEP_TIMES``) add, per batch size, the time
+auto's forecast and held steps took beyond the pinned steps of the same budget, per phase and
+outside the step (the scheduler's work), as a share of auto's time: where their own cost goes.
 
     SGLANG_TREE_SPEC_STEP_LOG=/tmp/steps SGLANG_TREE_SPEC_STEP_TIMES=1000000 \
         python benchmarks/serve_throughput.py ...
@@ -168,7 +170,53 @@ def versus_pinned(auto: Path, pinned: list[Path], batch_sizes: tuple[int, ...]) 
                     f"| {k} | {reason} | {n} | {seconds / time:.1%} | "
                     f"{1e3 * seconds / n:.2f} | {_loss(loss, time)} |"
                 )
+        lines += _phase_excess(auto, pinned, size, time)
     return "\n".join(lines)
+
+
+def _timed(path: Path, size: int) -> list[tuple[int, str, float, list[float]]]:
+    """``(budget, kind, seconds, [phase seconds..., outside])`` of the timed drafted steps at
+    batch size ``size`` (outside: the step's period beyond its phases, the scheduler's work)."""
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if int(r["bs"]) == size and r.get(PHASES[0])]
+    steps = []
+    for r in rows:
+        if kind(r) == "plain":
+            continue
+        phases = [float(r[phase]) for phase in PHASES]
+        seconds = float(r["seconds"])
+        steps.append((int(r["budget"]), kind(r), seconds, [*phases, seconds - sum(phases)]))
+    return steps
+
+
+def _phase_excess(auto: Path, pinned: list[Path], size: int, time: float) -> list[str]:
+    """Auto's forecast and held steps at batch size ``size`` against the pinned steps of the
+    same budget, per phase: the time they took beyond the pinned steps' mean, as a share of
+    auto's ``time`` at that batch size (where its own cost goes). Empty for untimed logs."""
+    means: dict[int, list[float]] = {}
+    for path in pinned:
+        steps = _timed(path, size)
+        if steps:
+            budget = steps[0][0]
+            columns = zip(*(step[3] for step in steps), strict=True)
+            means[budget] = [sum(column) / len(steps) for column in columns]
+    excess: dict[str, list[float]] = defaultdict(lambda: [0.0] * (len(PHASES) + 1))
+    for budget, k, _, phases in _timed(auto, size):
+        if budget in means:
+            sums = excess[k]
+            for i, (mine, theirs) in enumerate(zip(phases, means[budget], strict=True)):
+                sums[i] += mine - theirs
+    if not excess:
+        return []
+    names = [*PHASES, "outside"]
+    lines = [
+        "",
+        "| kind | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for k, sums in sorted(excess.items()):
+        lines.append(f"| {k} | " + " | ".join(_loss(x, time) for x in sums) + " |")
+    return lines
 
 
 def _pinned_time(cells: dict, step: tuple) -> float:

@@ -107,3 +107,33 @@ def test_step_log_report_weighs_autos_steps_against_its_pinned_budgets(tmp_path)
     assert "| held | held | 2 | 37.7% | 10.00 | +0.0% |" in table
     assert "| plain | plain | 1 | 15.1% | 8.00 | +7.5% |" in table
     assert "batch size 4" not in table
+
+
+def test_step_log_report_splits_autos_own_cost_by_phase(tmp_path):
+    """With phase times, the report adds per batch size the time auto's forecast and held steps
+    took beyond the pinned steps of their budget, per phase and outside the step (period minus
+    phases), as a share of auto's time there; plain steps (no pinned cell) and untimed lines are
+    left out."""
+    from benchmark_helpers import load_benchmark
+
+    from sglang_tree_spec.step_times import PHASES, StepLog
+
+    bench = load_benchmark("step_log_report")
+    base = dict(zip(PHASES, (2e-3, 1e-3, 5e-3, 0.5e-3, 1e-3, 0.0), strict=True))  # 9.5 ms
+    pin = StepLog(str(tmp_path / "steps_auto-pin8_3.csv"))
+    for _ in range(20):  # pinned B 8: 9.5 ms of phases in a 10 ms period
+        pin.write(2, 8, True, False, 1, 10, 0.010, base, None, "fixed")
+    auto = tmp_path / "steps_auto_3.csv"
+    log = StepLog(str(auto))
+    log.write(2, 8, True, False, 1, 10, 0.011, {**base, "observe": 1e-3}, [2.0, 2.0], "held")
+    log.write(2, 8, True, True, 1, 10, 0.012, {**base, "tree": 3e-3}, None, "expired")
+    log.write(2, 0, False, False, 2, 4, 0.008, {"verify": 7e-3}, None, "plain")  # no cell
+    log.write(2, 8, True, False, 1, 10, 0.030, None, None, "held")  # untimed
+    table = bench.versus_pinned(auto, [tmp_path / "steps_auto-pin8_3.csv"], (2,))
+    # auto's time at batch size 2: 11 + 12 + 8 + 30 = 61 ms
+    names = " | ".join([*PHASES, "outside"])
+    assert f"| kind | {names} |" in table
+    # the held step: observe +1 ms (1.6%), outside +0.5 - 0.5 = 0; the forecast: tree +2 ms
+    assert "| held | +0.0% | +0.0% | +0.0% | +0.0% | +0.0% | +1.6% | +0.0% |" in table
+    assert "| forecast | +0.0% | +3.3% | +0.0% | +0.0% | +0.0% | +0.0% | +0.0% |" in table
+    assert "| plain |" not in table.split(f"| kind | {names} |")[1]
