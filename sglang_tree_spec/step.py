@@ -451,6 +451,7 @@ AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
     "decay": ("choice_decay", float),
     "explore": ("explore_every", int),
     "margin": ("explore_margin", float),
+    "full": ("full_forecast_every", int),
 }
 
 

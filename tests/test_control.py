@@ -670,6 +670,58 @@ def test_every_forecast_builds_the_largest_candidate_so_the_choice_reaches_the_b
     assert roofline_controller(profile_steps=1).tree_budget(1) == 64  # profiling
 
 
+def test_forecasts_between_full_ones_reach_one_candidate_above_the_contenders():
+    """With ``full_forecast_every``, a bucket's first forecast and one in that many build the
+    largest candidate's tree; the others build the tree of the candidate above the largest
+    contender of the last full one (here B 16 and above are 80x dearer: B 16), and the budgets
+    above it keep their per-request averages until the next full forecast: a smaller tree's
+    prediction for them is its whole sum, clamped. A request arriving meanwhile starts those
+    averages at the next full forecast, not at the clamped values; a renewed batch forecasts
+    in full."""
+    budgets = (0, 4, 8, 16, 32, 64)
+    row = [0.01, 0.012, 0.0125, 1.0, 1.0, 1.0]
+    latency = LatencyModel([row] * 3, budgets, bs_buckets=(1, 8, 64))
+    config = ControlConfig(
+        budgets=budgets, explore_margin=0.3, full_forecast_every=3, choice_decay=0.5
+    )
+    ctl = BudgetController(config, latency, max_slots=8)
+    strong = strong_or_useless_tree(8, strong=True)
+    rows = torch.arange(8)
+
+    def forecast(width: int):
+        tree = top_nodes(strong, width)
+        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)
+        return fc, ctl.choose(fc, 8)
+
+    assert ctl.tree_budget(8) == 64  # the bucket's first forecast
+    full, choice = forecast(64)
+    assert choice in (4, 8) and ctl.tree_budget(8) == 16  # contenders 4 and 8: reach 16
+    assert ctl.tree_budget(1) == 64  # another bucket has its own first forecast
+    ctl.reset(rows[:1])  # a request arrives in slot 0
+    reduced, _ = forecast(16)
+    above = slice(budgets.index(32), None)
+    assert torch.equal(reduced.expected[1:, above], full.expected[1:, above])  # kept
+    assert torch.allclose(
+        reduced.expected[1:, : above.start],
+        0.5 * (full.expected + reduced.accept)[1:, : above.start],
+    )
+    assert ctl.tree_budget(8) == 16
+    forecast(16)
+    assert ctl.tree_budget(8) == 64  # the third since the full one: full again
+    again, _ = forecast(64)
+    assert torch.equal(again.expected[0, above], again.accept[0, above])  # its first full one
+    assert torch.allclose(again.expected[1, above], 0.5 * (full.expected + again.accept)[1, above])
+    assert ctl.tree_budget(8) == 16
+    ctl.reset(rows)  # a renewed batch: its own full forecast
+    assert ctl.tree_budget(8) == 64
+    every = BudgetController(ControlConfig(budgets=budgets, explore_margin=0.3), latency, 8)
+    fc = every.forecast(rows, strong.logprobs, strong.depths, strong.valid)
+    every.choose(fc, 8)
+    assert every.tree_budget(8) == 64  # full_forecast_every=1: every forecast is full
+    with pytest.raises(ValueError, match="full_forecast_every"):
+        ControlConfig(full_forecast_every=0)
+
+
 def test_the_choice_reads_each_requests_average_forecast_not_one_hard_step():
     """With ``choice_decay``, one hard step (a useless-looking draft) after easy ones does not
     move the choice to the smallest budget: the choice reads the request's decayed average of

@@ -8,6 +8,7 @@ compute-bound, C(bs, N) grows with bs * (N + 1) and N* shrinks.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -168,6 +169,18 @@ class ControlConfig:
         hard stretch of text, not a useless drafter) is followed by this many plain steps,
         then a probe (0: none, drafting goes on). Hard text comes in stretches: the step after
         one whose drafts do not pay tends not to pay either.
+    full_forecast_every: a forecast builds the largest candidate's tree (every candidate
+        predicted) once in this many forecasts of a batch-size bucket, and the bucket's first
+        forecast and a renewed batch's (as many arrivals as it holds) always; the others
+        build the tree of the candidate above the largest contender of its last such full
+        forecast (``explore_margin``), its reach, and choose among the candidates up to it (1:
+        every forecast is full). The
+        forecast step's drafter then runs its LM head over fewer depths at a smaller top-K and
+        its tree is smaller: a full forecast at batch size 16 took 3.7 ms more than a held
+        budget-4 step (small pair on this CPU through SGLang, 2 ms of it in the draft and tree
+        phases of the 32-node tree), where budgets 16 and 32 were 12-27% behind. A budget
+        above the reach keeps its per-request averages (``choice_decay``) until the next full
+        forecast (a smaller tree's prediction for it is clamped to the tree's whole sum).
     held_observe_every: the calibration learns from every this many drafted steps, forecast
         or held (:meth:`BudgetController.observe` and :meth:`~BudgetController.observe_held`;
         1: all of them; a grafted tree: from every forecast step alone), each standing for its
@@ -197,6 +210,7 @@ class ControlConfig:
     choice_decay: float = 0.0
     plain_long_decay: float | None = None
     hard_plain_steps: int = 0
+    full_forecast_every: int = 1
     held_observe_every: int = 1
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -215,10 +229,16 @@ class ControlConfig:
             raise ValueError(f"plain_decay must be in [0, 1), got {self.plain_decay}")
         if self.plain_long_decay is not None and not 0.0 <= self.plain_long_decay < 1.0:
             raise ValueError(f"plain_long_decay must be in [0, 1), got {self.plain_long_decay}")
-        if min(self.hold_steps, self.explore_steps, self.held_observe_every) < 1:
+        counts = (
+            self.hold_steps,
+            self.explore_steps,
+            self.held_observe_every,
+            self.full_forecast_every,
+        )
+        if min(counts) < 1:
             raise ValueError(
-                f"hold_steps, explore_steps and held_observe_every must be >= 1: "
-                f"{self.hold_steps}, {self.explore_steps}, {self.held_observe_every}"
+                "hold_steps, explore_steps, held_observe_every and full_forecast_every must "
+                f"be >= 1: {counts}"
             )
         if self.hold_max_steps is not None and self.hold_max_steps < self.hold_steps:
             raise ValueError(
@@ -349,9 +369,10 @@ class BudgetController:
         self.latency = latency
         self.calibrator = AcceptCalibrator(max_slots, config.max_depth, config.calibration, device)
         self._budgets_t = budget_index(config.budgets, device)  # [C]
-        # per request slot: the decayed average of its forecasts' A_i(N), and whether it has one
+        # per request slot and candidate: the decayed average of its forecasts' A_i(N), and
+        # whether it has one (a forecast's tree may not reach every candidate)
         self._average_accept = torch.zeros(max_slots, len(config.budgets), device=device)
-        self._averaged = torch.zeros(max_slots, dtype=torch.bool, device=device)
+        self._averaged = torch.zeros_like(self._average_accept, dtype=torch.bool)
         # draft tokens summed over the calibrated request-steps (held steps sampled, weighted):
         # [predicted, accepted, squared weighted error]; and their count
         self._totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -384,6 +405,8 @@ class BudgetController:
         self._drafted_seen = 0  # drafted steps on the calibration's stride (_stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
+        # bucket -> (the reach of its forecasts, forecasts since its last full one)
+        self._reach: dict[int, tuple[int, int]] = {}
         self._profiled_whole = False  # a bucket's row has every candidate measured
         # (budget, batch size, steps left, its steps' REASONS: "held", or "explore")
         self._hold: tuple[int, int, int, str] | None = None
@@ -458,16 +481,25 @@ class BudgetController:
 
     def tree_budget(self, bs: int) -> int:
         """Host only: the tree a drafted step that forecasts builds (and the depths it drafts),
-        the forecast's reach. Fixed: the budget. Auto: the largest candidate, so every forecast
-        predicts every candidate (a held choice serves ``hold_steps`` drafted steps, and the
-        forecast costs one step in ``hold_steps``). Reaching one candidate above the last
-        choice instead saved the larger trees while the choice stayed below them, but trapped it
-        where the rate is not concave in N (batch size 2 on this CPU: B 4 -> 8 costs 1.4 ms, 8 ->
-        16 0.9 ms; auto held B 4 where B 16 was best) and left the per-request averages
-        (``choice_decay``) columns clamped at a smaller tree."""
+        the forecast's reach. Fixed: the budget. Auto: the largest candidate on a full forecast
+        (``ControlConfig.full_forecast_every``) and for a renewed batch (as many arrivals as it
+        holds), so it predicts every candidate, else the reach of the bucket's last full
+        forecast (:meth:`_note_reach`). At batch size 1 a reach carried over to the next
+        request held one request's hard text against it (B 4 on 17% of a run's steps at
+        0.90x B 16's tokens/s, small pair through SGLang).
+        Reaching one candidate above the last choice instead (until session 27) saved the
+        larger trees while the choice stayed below them, but trapped it where the rate is not
+        concave in N (batch size 2 on this CPU: B 4 -> 8 costs 1.4 ms, 8 -> 16 0.9 ms; auto
+        held B 4 where B 16 was best); the contenders' margin and the periodic full forecast
+        keep a budget that can win within reach."""
         if not self.auto:
             return self.config.fixed_budget
-        return self.config.budgets[-1]
+        largest = self.config.budgets[-1]
+        reach = self._reach.get(bucket_of(self.latency.bs_buckets, bs))
+        renewed = self._arrivals >= bs  # the reach was the requests' that left
+        if reach is None or renewed or reach[1] + 1 >= self.config.full_forecast_every:
+            return largest
+        return reach[0]
 
     def held_budget(self, bs: int) -> int | None:
         """Host only, for a step that drafts: its budget when no forecast is needed, counted
@@ -550,7 +582,8 @@ class BudgetController:
         factors = self.calibrator.factors(rows)
         accept = prefix_sums_at(weights, self._budgets_t).mul_(factors.scale.unsqueeze(1))
         accept = accept.clamp_(0.0, float(self.config.max_depth))  # [bs, C]
-        expected = self._average(rows, accept)
+        reached = bisect_right(self.config.budgets, logprobs.shape[1])  # candidates <= B
+        expected = self._average(rows, accept, reached)
         return Forecast(
             rows,
             ranked.probs,
@@ -562,17 +595,19 @@ class BudgetController:
             expected,
         )
 
-    def _average(self, rows: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
-        """Sync-free: ``[bs, C]`` each request's decayed average of its forecasts' A_i(N),
-        this one's included (a request's first forecast starts it)."""
+    def _average(self, rows: torch.Tensor, accept: torch.Tensor, reached: int) -> torch.Tensor:
+        """Sync-free: ``[bs, C]`` each request's decayed average of its forecasts' A_i(N), this
+        one's included (a request's first forecast starts it), for the first ``reached``
+        candidates (those the tree reaches); a candidate above them keeps its average (or
+        reads this forecast's clamped value, not kept, while it has none)."""
         decay = self.config.choice_decay
         if not decay:
             return accept
-        seen = self._averaged[rows].unsqueeze(1)  # [bs, 1]
+        seen = self._averaged[rows]  # [bs, C]
         average = torch.where(seen, self._average_accept[rows], accept)
-        average.mul_(decay).add_(accept, alpha=1.0 - decay)
+        average[:, :reached].mul_(decay).add_(accept[:, :reached], alpha=1.0 - decay)
         self._average_accept[rows] = average
-        self._averaged[rows] = True
+        self._averaged[rows, :reached] = True
         return average
 
     def _count(self, budget: int) -> int:
@@ -616,6 +651,7 @@ class BudgetController:
         best = choice()
         verified = best if best != 0 else choice(min_budget=1)  # the draft is paid for
         self._note_contenders(bs, totals, seconds, forecast.tree_budget)
+        self._note_reach(bs, forecast.tree_budget)
         if self.config.budgets[0] == 0:
             column = self.config.budgets.index(verified)
             self._add_drafted_gain(totals[column] / bs, seconds[column] / seconds[0])
@@ -661,6 +697,24 @@ class BudgetController:
             for b, r in zip(budgets, rates, strict=True)
             if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0) or b in suspect
         ]
+
+    def _note_reach(self, bs: int, tree_budget: int) -> None:
+        """Host, after :meth:`_note_contenders`: a full forecast (its tree larger than the
+        bucket's reach, or the largest candidate's) sets the bucket's reach, the candidate
+        above its largest contender, and restarts the count of forecasts to the next full one;
+        a forecast at the reach counts one more. One candidate of slack: the contenders are
+        one forecast's, and at batch size 1 one request's (reaching the largest contender
+        alone, one variant held B 8 at 0.95x B 16's tokens/s for most of a run: a forecast
+        that put B 16 behind B 8 by the margin kept it out of reach until the next full one,
+        and B 8 chosen again held twice as long each time)."""
+        bucket = bucket_of(self.latency.bs_buckets, bs)
+        reach = self._reach.get(bucket)
+        if reach is not None and tree_budget <= reach[0] < self.config.budgets[-1]:
+            self._reach[bucket] = (reach[0], reach[1] + 1)
+            return
+        budgets = self.config.budgets
+        largest = max(self._contenders[bucket])  # one candidate above it
+        self._reach[bucket] = (budgets[min(budgets.index(largest) + 1, len(budgets) - 1)], 0)
 
     def observe_committed(self, budget: int, accept_len: torch.Tensor) -> None:
         """Host only, after a drafted step that did not forecast (held, explored or profiled;
