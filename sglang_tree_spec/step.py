@@ -138,13 +138,14 @@ HELD_OBSERVE_EVERY = 8
 # Auto: one forecast in this many of a batch-size bucket (and a renewed batch's) builds the
 # largest candidate's tree; the others build the tree one candidate above the contenders of the
 # last full one (ControlConfig.full_forecast_every): at batch size 8-16 the contenders are
-# B 4-8, and a full forecast drafts 15 depths at top-32 and ranks a 32-node tree where B 8's
-# takes 8 at top-8 (a full forecast step at batch size 8: +3.7 ms over B 8's pinned step, one at
-# the reach +1.7 ms). Small pair through SGLang, 12 waves, `auto:full=4` paired per wave against
-# auto (1) in the same server, concurrency 1 / 2 / 4 / 8 / 16, session 46: 1.024 / 1.059 /
-# 1.012 / 1.015 / 0.978 (serve_throughput_cpu_v61_full_renewed); before a renewed batch
-# forecast in full, 0.981 / 1.019 / 0.963 / 1.045 / 1.069 (v60: at concurrency 1 one request's
-# hard text kept B 16 out of the next request's reach).
+# B 4-8, and a full forecast drafts top-32 and ranks a 32-node tree where one reaching B 16
+# takes top-16 and 16 nodes (a full forecast step at batch size 8: +3.7 ms over B 8's pinned
+# step; one reaching B 8 alone, 8 depths at top-8, +1.7 ms; v59). Small pair through SGLang,
+# 12 waves, `auto:full=4` paired per wave against auto (1) in the same server, concurrency
+# 1 / 2 / 4 / 8 / 16, session 46: 1.024 / 1.059 / 1.012 / 1.015 / 0.978
+# (serve_throughput_cpu_v61_full_renewed); before a renewed batch forecast in full, 0.981 /
+# 1.019 / 0.963 / 1.045 / 1.069 (v60: at concurrency 1 one request's hard text kept B 16 out of
+# the next request's reach).
 FULL_FORECAST_EVERY = 4
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)

@@ -174,11 +174,11 @@ class ControlConfig:
         forecast and a renewed batch's (as many arrivals as it holds) always; the others
         build the tree of the candidate above the largest contender of its last such full
         forecast (``explore_margin``), its reach, and choose among the candidates up to it (1:
-        every forecast is full). The
-        forecast step's drafter then runs its LM head over fewer depths at a smaller top-K and
-        its tree is smaller: a full forecast at batch size 16 took 3.7 ms more than a held
-        budget-4 step (small pair on this CPU through SGLang, 2 ms of it in the draft and tree
-        phases of the 32-node tree), where budgets 16 and 32 were 12-27% behind. A budget
+        every forecast is full). A forecast at the reach drafts a smaller top-K (fewer depths
+        too when the reach is under the drafter's block) and ranks a smaller tree: at batch
+        size 8, where B 4-8 contend and B 32 reads 0.78-0.85x the best, a full forecast step
+        took 3.7 ms more than B 8's pinned step and one reaching B 8 alone 1.7 ms (small pair
+        on this CPU through SGLang, session 46). A budget
         above the reach keeps its per-request averages (``choice_decay``) until the next full
         forecast (a smaller tree's prediction for it is clamped to the tree's whole sum).
     held_observe_every: the calibration learns from every this many drafted steps, forecast
