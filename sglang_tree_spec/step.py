@@ -135,18 +135,6 @@ EXPLORE_INVERTED = 0.10
 # with 8, 0.990 / 0.988 / 0.987 / 1.015 with 4, 0.981 / 0.985 / 0.981 / 1.007 with 16. The
 # accepted-token and request-step totals (metrics) still count every step, exactly.
 HELD_OBSERVE_EVERY = 8
-# Auto: one forecast in this many of a batch-size bucket (and a renewed batch's) builds the
-# largest candidate's tree; the others build the tree one candidate above the contenders of the
-# last full one (ControlConfig.full_forecast_every): at batch size 8-16 the contenders are
-# B 4-8, and a full forecast drafts top-32 and ranks a 32-node tree where one reaching B 16
-# takes top-16 and 16 nodes (a full forecast step at batch size 8: +3.7 ms over B 8's pinned
-# step; one reaching B 8 alone, 8 depths at top-8, +1.7 ms; v59). Small pair through SGLang,
-# 12 waves, `auto:full=4` paired per wave against auto (1) in the same server, concurrency
-# 1 / 2 / 4 / 8 / 16, session 46: 1.024 / 1.059 / 1.012 / 1.015 / 0.978
-# (serve_throughput_cpu_v61_full_renewed); before a renewed batch forecast in full, 0.981 /
-# 1.019 / 0.963 / 1.045 / 1.069 (v60: at concurrency 1 one request's hard text kept B 16 out of
-# the next request's reach).
-FULL_FORECAST_EVERY = 4
 # Target forwards of a plain step (budget 0), each committing one token a request: the
 # scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
 # is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
@@ -503,8 +491,7 @@ def make_controller(
     a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
     forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
-    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run; one forecast in
-    ``FULL_FORECAST_EVERY`` builds the largest candidate's tree). ``overrides``:
+    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run). ``overrides``:
     auto's fields a policy string sets instead (:func:`auto_overrides`; its ``latency`` fields
     set ``latency``'s config)."""
     if not config.auto:
@@ -526,7 +513,6 @@ def make_controller(
         hard_plain_steps=HARD_PLAIN_STEPS,
         plain_long_decay=PLAIN_LONG_DECAY,
         held_observe_every=HELD_OBSERVE_EVERY,
-        full_forecast_every=FULL_FORECAST_EVERY,
     )
     fields = dict(overrides or {})
     if "latency" in fields:

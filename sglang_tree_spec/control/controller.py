@@ -181,6 +181,14 @@ class ControlConfig:
         on this CPU through SGLang, session 46). A budget
         above the reach keeps its per-request averages (``choice_decay``) until the next full
         forecast (a smaller tree's prediction for it is clamped to the tree's whole sum).
+        Not auto's default (``step.make_controller`` leaves it at 1): ``auto:full=4`` paired
+        per wave against auto in the same server (small pair, 12 waves, concurrency 1 / 2 / 4
+        / 8 / 16) read 1.024 / 1.059 / 1.012 / 1.015 / 0.978 (serve_throughput_cpu_v61), and
+        the other way round, as the default against ``auto:full=1``, 0.999 / 1.004 / 0.971 /
+        0.970 / 0.984 (v62). Without the renewed batch's full forecast it read 1.067 and 1.069
+        at concurrency 16 in two runs (v59, v60; its forecast steps' phases were no cheaper
+        there), and 0.953 and 0.981 at concurrency 1 (one request's reach carried over to the
+        next).
     held_observe_every: the calibration learns from every this many drafted steps, forecast
         or held (:meth:`BudgetController.observe` and :meth:`~BudgetController.observe_held`;
         1: all of them; a grafted tree: from every forecast step alone), each standing for its
