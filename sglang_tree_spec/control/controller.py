@@ -178,9 +178,9 @@ class ControlConfig:
         too when the reach is under the drafter's block) and ranks a smaller tree: at batch
         size 8, where B 4-8 contend and B 32 reads 0.78-0.85x the best, a full forecast step
         took 3.7 ms more than B 8's pinned step and one reaching B 8 alone 1.7 ms (small pair
-        on this CPU through SGLang, session 46). A budget
-        above the reach keeps its per-request averages (``choice_decay``) until the next full
-        forecast (a smaller tree's prediction for it is clamped to the tree's whole sum).
+        on this CPU through SGLang, session 46). A budget above the reach keeps its
+        per-request averages (``choice_decay``) until the next full forecast (a smaller tree's
+        prediction for it is clamped to the tree's whole sum).
         Not auto's default (``step.make_controller`` leaves it at 1): ``auto:full=4`` paired
         per wave against auto in the same server (small pair, 12 waves, concurrency 1 / 2 / 4
         / 8 / 16) read 1.024 / 1.059 / 1.012 / 1.015 / 0.978 (serve_throughput_cpu_v61), and
