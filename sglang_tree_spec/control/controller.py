@@ -714,7 +714,10 @@ class BudgetController:
         one forecast's, and at batch size 1 one request's (reaching the largest contender
         alone, one variant held B 8 at 0.95x B 16's tokens/s for most of a run: a forecast
         that put B 16 behind B 8 by the margin kept it out of reach until the next full one,
-        and B 8 chosen again held twice as long each time)."""
+        and B 8 chosen again held twice as long each time). Nothing to note when every
+        forecast is full."""
+        if self.config.full_forecast_every == 1:
+            return
         bucket = bucket_of(self.latency.bs_buckets, bs)
         reach = self._reach.get(bucket)
         if reach is not None and tree_budget <= reach[0] < self.config.budgets[-1]:
