@@ -18,6 +18,7 @@ vocabulary.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -435,11 +436,18 @@ def _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bo
     return selector.select(topk_logprobs, topk_tokens, bonus, budget)
 
 
+def _flag(value: str) -> bool:
+    """An on/off auto option: ``0`` or ``1``."""
+    if value not in ("0", "1"):
+        raise ValueError(f"DDTREE: an on/off auto option is 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # Auto's settings a policy string overrides, ``auto:hold=8:hard=0`` (benchmarks only: the
 # variants budget_sim.py compares on its simulated clock and serve_throughput.py pins in one
 # auto server): key -> (ControlConfig field, type); a ``latency.`` field is its latency
 # model's ``LatencyConfig`` field (one the model reads as it records, not at construction).
-AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
+AUTO_OVERRIDES: dict[str, tuple[str, Callable[[str], object]]] = {
     "pair": ("latency.pair_rate", float),
     "clip": ("latency.pair_clip", float),
     "first": ("latency.first_steps", int),
@@ -452,6 +460,7 @@ AUTO_OVERRIDES: dict[str, tuple[str, type]] = {
     "explore": ("explore_every", int),
     "margin": ("explore_margin", float),
     "full": ("full_forecast_every", int),
+    "below": ("explore_below_best", _flag),
 }
 
 

@@ -1338,6 +1338,42 @@ def test_a_cell_dearer_than_a_larger_budgets_is_explored_whatever_its_rate():
     assert model.inverted(1, 0.1) == [4, 8] and model.inverted(1, 0.5) == []  # 0: 3% over
 
 
+def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down():
+    """A profile that read budgets 8 and 16 cheap (0.9x and 0.8x their true cost against
+    budget 4's) makes 16 the best by 11% over 8 and 25% over 4; both are more than
+    ``explore_margin`` behind, so explorations never re-measure them and 16 holds for good.
+    With ``explore_below_best`` the budget below the best is explored: the switches into and
+    out of it correct the ratio, 8 becomes the best, then 4 (the true best, 1.3x 8's rate)."""
+    budgets = (0, 4, 8, 16)
+    tree = strong_or_useless_tree(1, strong=True)
+
+    def run(below: bool) -> tuple[list[int], list[float], dict[int, float]]:
+        config = ControlConfig(
+            budgets=budgets, profile_steps=1, explore_every=4, explore_margin=0.08,
+            explore_below_best=below,
+        )  # fmt: skip
+        latency = LatencyModel([[0.01] * 4] * 3, budgets, (1, 8, 64), LatencyConfig(first_steps=1))
+        ctl = BudgetController(config, latency, max_slots=8)
+        fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+        total = dict(zip(budgets, (1.0 + fc.expected).sum(0).tolist(), strict=True))
+        scale = {4: 1.0, 8: 1.3, 16: 1.6}  # true cost over the cost of budget 4's rate
+        true = {0: 0.008} | {b: 0.01 * total[b] / total[4] * scale[b] for b in scale}
+        profile = true | {8: true[8] * 0.9 / 1.3, 16: true[16] * 0.8 / 1.6}
+        steps = []
+        for i in range(len(budgets) + 1 + 240):  # the profile (budget 4 twice), then 240
+            budget, drafted = step_budget(ctl, 1, fc)
+            ctl.record_step(1, budget, (profile if i <= len(budgets) else true)[budget], drafted)
+            steps.append(budget)
+        return steps[len(budgets) + 1 :], ctl.latency.row(1), true
+
+    trapped, _, _ = run(below=False)
+    assert set(trapped) == {16}  # 4 and 8 never re-measured
+    steps, seconds, true = run(below=True)
+    assert set(steps[-40:]) == {4} and 8 in steps[:40]
+    # B 8 over B 4: the profile's 0.69x the true ratio, corrected to within 10% of it
+    assert seconds[2] / seconds[1] == pytest.approx(true[8] / true[4], rel=0.1)
+
+
 def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     """A cell measured under another load (here budget 8 at 30 ms, nine times) is explored for
     ``explore_steps`` steps and then reads those fresh times alone, so auto moves to it once it
@@ -1399,6 +1435,10 @@ def test_a_policy_strings_latency_keys_set_its_own_latency_models_config():
 
     fields = auto_overrides("auto:pair=0.05:hold=4")
     assert fields == {"latency": {"pair_rate": 0.05}, "hold_steps": 4}
+    assert auto_overrides("auto:below=1") == {"explore_below_best": True}
+    assert auto_overrides("auto:below=0") == {"explore_below_best": False}
+    with pytest.raises(ValueError, match="0 or 1"):
+        auto_overrides("auto:below=true")
     config = TreeConfig(budget=16, auto=True)
     budgets = config.budgets
 

@@ -118,6 +118,15 @@ class ControlConfig:
         all three at 27.5-29 ms where B 4's steps took ~20, B 4 predicted more than
         ``explore_margin`` behind, never explored again, and B 16 held at 0.92x B 4's
         tokens/s (one of two auto servers of one run).
+    explore_below_best: the drafted budget just below the forecast's best is one of its
+        bucket's contenders whatever its predicted rate, so explorations switch between it and
+        the best and correct their cells' ratio (:meth:`LatencyModel._pair`). A row's cells are
+        set by a few profile steps each; once a smaller budget falls more than
+        ``explore_margin`` behind on a ratio set wrong there, nothing re-measures it (small
+        pair at concurrency 16 through SGLang, session 46: B 16's cell read 1.14x B 4's where
+        its steps took 1.45x, B 4 never explored, B 16 held). Exploring the smaller neighbour
+        costs fewer accepted tokens, never a dearer step, and the rate is unimodal in N, so a
+        best budget that is wrong walks down one candidate at a time.
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
@@ -210,6 +219,7 @@ class ControlConfig:
     explore_every: int = 0
     explore_steps: int = 1
     explore_inverted: float | None = None
+    explore_below_best: bool = False
     forget_after: int | None = None
     explore_margin: float = 1.0
     hold_steps: int = 1
@@ -693,13 +703,17 @@ class BudgetController:
     ) -> None:
         """Host: the budgets whose predicted rate is within ``ControlConfig.explore_margin``
         of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
-        predicted, with margin 1 alone), and those whose cell reads dearer than a larger
-        budget's (``ControlConfig.explore_inverted``)."""
+        predicted, with margin 1 alone), those whose cell reads dearer than a larger
+        budget's (``ControlConfig.explore_inverted``) and the drafted budget below the best
+        (``ControlConfig.explore_below_best``)."""
         margin, budgets = self.config.explore_margin, self.config.budgets
         rates = [t / c for t, c in zip(totals, seconds, strict=True)]
-        top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
+        top, best = max((r, b) for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
         inverted = self.config.explore_inverted
         suspect = set() if inverted is None else set(self.latency.inverted(bs, inverted))
+        below = budgets.index(best) - 1
+        if self.config.explore_below_best and below >= 0 and budgets[below] > 0:
+            suspect.add(budgets[below])
         self._contenders[bucket_of(self.latency.bs_buckets, bs)] = [
             b
             for b, r in zip(budgets, rates, strict=True)
