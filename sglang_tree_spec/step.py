@@ -445,8 +445,9 @@ def _flag(value: str) -> bool:
 
 # Auto's settings a policy string overrides, ``auto:hold=8:hard=0`` (benchmarks only: the
 # variants budget_sim.py compares on its simulated clock and serve_throughput.py pins in one
-# auto server): key -> (ControlConfig field, type); a ``latency.`` field is its latency
-# model's ``LatencyConfig`` field (one the model reads as it records, not at construction).
+# auto server): key -> (ControlConfig field, parser of its value); a ``latency.`` field is its
+# latency model's ``LatencyConfig`` field (one the model reads as it records, not at
+# construction).
 AUTO_OVERRIDES: dict[str, tuple[str, Callable[[str], object]]] = {
     "pair": ("latency.pair_rate", float),
     "clip": ("latency.pair_clip", float),

@@ -126,7 +126,11 @@ class ControlConfig:
         pair at concurrency 16 through SGLang, session 46: B 16's cell read 1.14x B 4's where
         its steps took 1.45x, B 4 never explored, B 16 held). Exploring the smaller neighbour
         costs fewer accepted tokens, never a dearer step, and the rate is unimodal in N, so a
-        best budget that is wrong walks down one candidate at a time.
+        best budget that is wrong walks down one candidate at a time. Not auto's default:
+        ``auto:below=1`` paired per wave against auto in the same server (small pair, 12
+        waves, concurrency 1 / 2 / 4 / 8 / 16) read 1.059 / 1.002 / 0.983 / 1.010 / 0.987
+        (serve_throughput_cpu_v64), within the run's noise; the trap it guards did not occur
+        in that run.
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
