@@ -1339,8 +1339,8 @@ def test_a_cell_dearer_than_a_larger_budgets_is_explored_whatever_its_rate():
 
 
 def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down():
-    """A profile that read budgets 8 and 16 cheap (0.9x and 0.8x their true cost against
-    budget 4's) makes 16 the best by 11% over 8 and 25% over 4; both are more than
+    """A profile that read budgets 8 and 16 cheap (0.69x and 0.5x their true cost, budget 4 at
+    its own) makes 16 the best by 12.5% over 8 and 25% over 4; both are more than
     ``explore_margin`` behind, so explorations never re-measure them and 16 holds for good.
     With ``explore_below_best`` the budget below the best is explored: the switches into and
     out of it correct the ratio, 8 becomes the best, then 4 (the true best, 1.3x 8's rate)."""
@@ -1356,7 +1356,7 @@ def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down()
         ctl = BudgetController(config, latency, max_slots=8)
         fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
         total = dict(zip(budgets, (1.0 + fc.expected).sum(0).tolist(), strict=True))
-        scale = {4: 1.0, 8: 1.3, 16: 1.6}  # true cost over the cost of budget 4's rate
+        scale = {4: 1.0, 8: 1.3, 16: 1.6}  # B 4's true rate over B N's
         true = {0: 0.008} | {b: 0.01 * total[b] / total[4] * scale[b] for b in scale}
         profile = true | {8: true[8] * 0.9 / 1.3, 16: true[16] * 0.8 / 1.6}
         steps = []
