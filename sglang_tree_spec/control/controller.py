@@ -672,7 +672,7 @@ class BudgetController:
         )
         best = choice()
         verified = best if best != 0 else choice(min_budget=1)  # the draft is paid for
-        self._note_contenders(bs, totals, seconds, forecast.tree_budget)
+        self._note_contenders(bs, totals, seconds, forecast.tree_budget, best)
         self._note_reach(bs, forecast.tree_budget)
         if self.config.budgets[0] == 0:
             column = self.config.budgets.index(verified)
@@ -703,16 +703,16 @@ class BudgetController:
         return steps
 
     def _note_contenders(
-        self, bs: int, totals: list[float], seconds: list[float], tree_budget: int
+        self, bs: int, totals: list[float], seconds: list[float], tree_budget: int, best: int
     ) -> None:
         """Host: the budgets whose predicted rate is within ``ControlConfig.explore_margin``
         of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
         predicted, with margin 1 alone), those whose cell reads dearer than a larger
-        budget's (``ControlConfig.explore_inverted``) and the drafted budget below the best
-        (``ControlConfig.explore_below_best``)."""
+        budget's (``ControlConfig.explore_inverted``) and the drafted budget below ``best``,
+        the forecast's choice (``ControlConfig.explore_below_best``)."""
         margin, budgets = self.config.explore_margin, self.config.budgets
         rates = [t / c for t, c in zip(totals, seconds, strict=True)]
-        top, best = max((r, b) for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
+        top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
         inverted = self.config.explore_inverted
         suspect = set() if inverted is None else set(self.latency.inverted(bs, inverted))
         below = budgets.index(best) - 1
