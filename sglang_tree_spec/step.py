@@ -462,6 +462,7 @@ AUTO_OVERRIDES: dict[str, tuple[str, Callable[[str], object]]] = {
     "margin": ("explore_margin", float),
     "full": ("full_forecast_every", int),
     "below": ("explore_below_best", _flag),
+    "near": ("profile_neighbours", _flag),
 }
 
 

@@ -1374,6 +1374,44 @@ def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down()
     assert seconds[2] / seconds[1] == pytest.approx(true[8] / true[4], rel=0.1)
 
 
+def test_a_new_buckets_profile_walks_to_the_measured_best_through_its_neighbours():
+    """Batch size 16 first reads its cells from batch size 1's through the prior, which puts
+    B 8 at 0.05 s where it takes 0.032 (B 4 0.03): B 8 predicted 23% behind B 4, no
+    contender, never profiled nor explored, and B 4 holds at 0.83x B 8's rate. With
+    ``profile_neighbours`` the profile measures the best's neighbours (0 and 8), B 8 becomes
+    the best, its neighbour 16 is measured once (0.06 s, no better) and B 8 holds."""
+    budgets = (0, 4, 8, 16)
+    prior = [[0.01] * 4, [0.02, 0.03, 0.05, 0.09]]
+    true = {0: 0.02, 4: 0.03, 8: 0.032, 16: 0.06}  # batch size 16; batch size 1: 0.01 each
+    tree = strong_or_useless_tree(16, strong=True)
+
+    def run(neighbours: bool) -> tuple[list[int], list[int]]:
+        config = ControlConfig(
+            budgets=budgets, profile_steps=1, explore_every=4, explore_margin=0.08,
+            profile_neighbours=neighbours,
+        )  # fmt: skip
+        latency = LatencyModel(prior, budgets, (1, 16), LatencyConfig(first_steps=1))
+        ctl = BudgetController(config, latency, max_slots=16)
+        for _ in range(len(budgets) + 1):  # batch size 1: every candidate (B 4 after 0 not timed)
+            budget, drafted = step_budget(ctl, 1, None)
+            ctl.record_step(1, budget, 0.01, drafted)
+        assert latency.count[0] == [1] * 4
+        fc = ctl.forecast(torch.arange(16), tree.logprobs, tree.depths, tree.valid)
+        steps = []
+        for _ in range(60):
+            budget, drafted = step_budget(ctl, 16, fc)
+            ctl.record_step(16, budget, true[budget], drafted)
+            steps.append(budget)
+        return steps, latency.count[1]
+
+    steps, counts = run(neighbours=False)
+    assert set(steps) == {4} and counts[2:] == [0, 0]  # B 8 and 16 never measured
+    steps, counts = run(neighbours=True)
+    assert set(steps[-40:]) == {8}
+    assert counts[0] >= 1 and counts[3] >= 1  # 0 and 16 profiled as neighbours
+    assert steps.count(16) == 1 and steps.count(0) == 1  # once each, not explored again
+
+
 def test_a_stale_cell_is_re_measured_by_fresh_times_alone():
     """A cell measured under another load (here budget 8 at 30 ms, nine times) is explored for
     ``explore_steps`` steps and then reads those fresh times alone, so auto moves to it once it
@@ -1437,6 +1475,10 @@ def test_a_policy_strings_latency_keys_set_its_own_latency_models_config():
     assert fields == {"latency": {"pair_rate": 0.05}, "hold_steps": 4}
     assert auto_overrides("auto:below=1") == {"explore_below_best": True}
     assert auto_overrides("auto:below=0") == {"explore_below_best": False}
+    assert auto_overrides("auto:near=1:below=0") == {
+        "profile_neighbours": True,
+        "explore_below_best": False,
+    }
     with pytest.raises(ValueError, match="0 or 1"):
         auto_overrides("auto:below=true")
     config = TreeConfig(budget=16, auto=True)

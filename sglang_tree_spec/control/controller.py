@@ -131,6 +131,18 @@ class ControlConfig:
         waves, concurrency 1 / 2 / 4 / 8 / 16) read 1.059 / 1.002 / 0.983 / 1.010 / 0.987
         (serve_throughput_cpu_v64), within the run's noise; the trap it guards did not occur
         in that run.
+    profile_neighbours: a bucket that profiles its contenders alone (every one after the
+        first whole profile, ``profile_steps``) profiles the candidates next to its latest
+        forecast's best too (the one below, 0 included, and the one above), whatever their
+        predicted rate, and as that best moves, next to the new one: a walk to the measured
+        best, ``profile_steps`` steps a candidate at most, once a bucket. A new bucket's
+        unmeasured cells read its measured neighbours' through the roofline prior, and where
+        the prior's growth in N is off, the contenders are the wrong ones: small pair at
+        concurrency 16 through SGLang (session 48, serve_throughput_cpu_v65), batch size 16
+        read B 8 at 1.45x B 4's cost (49.3 against 34.1 ms; pinned, its steps took 1.18x), so
+        B 8 was no contender, was not profiled, and auto held B 4 there for 14 of 20 waves
+        until one forecast's margin let B 8 in (pinned, B 8 read 1.02x B 4's tokens/s at
+        batch size 16). Unlike a contender, a neighbour is not explored again.
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
@@ -224,6 +236,7 @@ class ControlConfig:
     explore_steps: int = 1
     explore_inverted: float | None = None
     explore_below_best: bool = False
+    profile_neighbours: bool = False
     forget_after: int | None = None
     explore_margin: float = 1.0
     hold_steps: int = 1
@@ -427,6 +440,7 @@ class BudgetController:
         self._drafted_seen = 0  # drafted steps on the calibration's stride (_stride)
         self._measured_at: dict[int, dict[int, int]] = {}  # bucket -> budget -> step stamp
         self._contenders: dict[int, list[int]] = {}  # bucket -> its last forecast's contenders
+        self._neighbours: dict[int, list[int]] = {}  # bucket -> its last best and beside it
         # bucket -> (the reach of its forecasts, forecasts since its last full one)
         self._reach: dict[int, tuple[int, int]] = {}
         self._profiled_whole = False  # a bucket's row has every candidate measured
@@ -456,7 +470,8 @@ class BudgetController:
         (SmolLM2 at batch size 16: budgets 1-8 cost up to 2x a plain step and were never
         chosen, yet took 12 of a 2-wave round's 38 steps). None before that forecast. The
         contenders are the bucket's latest forecast's: one that joins them later with fewer
-        than ``profile_steps`` times is measured the same way before the next forecast."""
+        than ``profile_steps`` times is measured the same way before the next forecast, and so
+        are the candidates next to its best (``ControlConfig.profile_neighbours``)."""
         latency = self.latency
         if not latency.profiles(bs):
             return None
@@ -468,6 +483,7 @@ class BudgetController:
         budgets = self._contenders.get(bucket) if self._profiled_whole else every
         if budgets is None:
             return None
+        budgets = {*budgets, *self._neighbours.get(bucket, ())}
         counts = latency.count[bucket]
         fewest, budget = min((counts[every.index(b)], b) for b in budgets)
         return budget if fewest < steps else None
@@ -709,16 +725,20 @@ class BudgetController:
         of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
         predicted, with margin 1 alone), those whose cell reads dearer than a larger
         budget's (``ControlConfig.explore_inverted``) and the drafted budget below ``best``,
-        the forecast's choice (``ControlConfig.explore_below_best``)."""
+        the forecast's choice (``ControlConfig.explore_below_best``); and, for the profile
+        alone, the candidates next to ``best`` (``ControlConfig.profile_neighbours``)."""
         margin, budgets = self.config.explore_margin, self.config.budgets
+        bucket = bucket_of(self.latency.bs_buckets, bs)
+        at = budgets.index(best)
+        if self.config.profile_neighbours:
+            self._neighbours[bucket] = list(budgets[max(at - 1, 0) : at + 2])
         rates = [t / c for t, c in zip(totals, seconds, strict=True)]
         top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
         inverted = self.config.explore_inverted
         suspect = set() if inverted is None else set(self.latency.inverted(bs, inverted))
-        below = budgets.index(best) - 1
-        if self.config.explore_below_best and below >= 0 and budgets[below] > 0:
-            suspect.add(budgets[below])
-        self._contenders[bucket_of(self.latency.bs_buckets, bs)] = [
+        if self.config.explore_below_best and at > 0 and budgets[at - 1] > 0:
+            suspect.add(budgets[at - 1])
+        self._contenders[bucket] = [
             b
             for b, r in zip(budgets, rates, strict=True)
             if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0) or b in suspect
