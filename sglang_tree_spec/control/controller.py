@@ -142,7 +142,10 @@ class ControlConfig:
         read B 8 at 1.45x B 4's cost (49.3 against 34.1 ms; pinned, its steps took 1.18x), so
         B 8 was no contender, was not profiled, and auto held B 4 there for 14 of 20 waves
         until one forecast's margin let B 8 in (pinned, B 8 read 1.02x B 4's tokens/s at
-        batch size 16). Unlike a contender, a neighbour is not explored again.
+        batch size 16). Unlike a contender, a neighbour is not explored again. Not auto's
+        default: ``auto:near=1`` paired per wave against auto in the same server (small pair,
+        12 waves, concurrency 2 / 4 / 8 / 16) read 1.014 / 1.010 / 0.972 / 0.983
+        (serve_throughput_cpu_v66), within the run's noise.
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
