@@ -486,7 +486,8 @@ class BudgetController:
         budgets = self._contenders.get(bucket) if self._profiled_whole else every
         if budgets is None:
             return None
-        budgets = {*budgets, *self._neighbours.get(bucket, ())}
+        if bucket in self._neighbours:  # (profile_neighbours)
+            budgets = {*budgets, *self._neighbours[bucket]}
         counts = latency.count[bucket]
         fewest, budget = min((counts[every.index(b)], b) for b in budgets)
         return budget if fewest < steps else None
