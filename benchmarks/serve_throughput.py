@@ -4,8 +4,8 @@ Every configuration's server is started with SGLang's own launcher (``--enable-m
 ``--sleep-on-idle``) and kept up (on a GPU one configuration at a time); at each concurrency
 each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`) and has its
 garbage collector frozen (:func:`freeze_gc`), then ``--repeats`` waves of the same held-out
-prompts (greedy, fixed output length, streamed), interleaved across configurations
-(:func:`measure`).
+prompts (greedy, fixed output length, streamed), interleaved across configurations in
+balanced orders (at concurrency 1 request by request; :func:`measure`).
 Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
 tau (tokens per decode step, bonus included; a DDTREE plain step commits two), time to first
 token and the gaps between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures
@@ -290,6 +290,35 @@ def run_wave(
     return {"replies": replies, "wall": time.perf_counter() - start}
 
 
+def run_round(
+    runs: list[tuple[str, int | str | None]],
+    prompts: list[list[int]],
+    concurrency: int,
+    new_tokens: int,
+    bar: tqdm,
+) -> list[dict]:
+    """One round: a wave of all ``prompts`` for each (server URL, pin) of ``runs``, in order,
+    as :func:`run_wave` returns them. At concurrency 1 the waves are interleaved request by
+    request (prompt k on every configuration before prompt k + 1 on any), which changes no
+    wave (its requests run one after another either way) but compares the configurations
+    within seconds instead of a round's minute: this machine's speed drifts by 10-30% over
+    tens of seconds, and one request of each takes under 3 s."""
+    if concurrency > 1:
+        waves = []
+        for url, pin in runs:
+            waves.append(run_wave(url, prompts, concurrency, new_tokens, pin))
+            bar.update(1)
+        return waves
+    waves = [{"replies": [], "wall": 0.0} for _ in runs]
+    for prompt in prompts:
+        for wave, (url, pin) in zip(waves, runs, strict=True):
+            one = run_wave(url, [prompt], 1, new_tokens, pin)
+            wave["replies"] += one["replies"]
+            wave["wall"] += one["wall"]
+    bar.update(len(runs))
+    return waves
+
+
 def summarise(concurrency: int, waves: list[dict], control: dict) -> dict:
     """One table row's figures from the repeated waves of a configuration at a concurrency:
     output tokens/s over all of them (total tokens / total wall time), the pooled latencies,
@@ -344,14 +373,29 @@ def freeze_gc(base_url: str) -> None:
         pass
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` configurations for successive rounds, balanced for the one before
+    (a Williams design): each order runs every configuration once, and over the orders every
+    configuration runs right after every other one equally often (once for even ``n``, twice
+    for odd ``n``, whose orders come with their reverses: ``2 n`` of them). A rotated fixed
+    order puts each configuration after the same one in nearly every round (an auto server's
+    wave after the chain's, another process, where its pinned budgets follow its own), so a
+    cost of following another server would fall on one configuration alone."""
+    first = [(k + 1) // 2 if k % 2 else (n - k // 2) % n for k in range(n)]  # 0, 1, n-1, 2, ...
+    orders = [[(c + shift) % n for c in first] for shift in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
+
+
 def measure(
     args: argparse.Namespace, configs: list[str], prompts: list[list[int]], logs: Path
 ) -> dict[str, list]:
     """The ``configs``' servers up at once (idle ones asleep; a pinned ``SERVER/N`` runs in
     SERVER's), then per concurrency: a warm-up wave on each server (its garbage collector
     frozen after it), and ``--repeats``
-    measured waves per configuration, interleaved (the order rotating each repeat) so that
-    drifts of this machine's speed fall on every configuration alike. Returns each
+    measured waves per configuration, interleaved (each round in the next of
+    :func:`balanced_orders`; at concurrency 1 request by request, :func:`run_round`) so that
+    drifts of this machine's speed, and the wave before each, fall on every configuration
+    alike. Returns each
     configuration's rows, one per concurrency."""
     pins = {config: pin_of(config, auto_budgets(args)) for config in configs}
     servers: dict[str, tuple[Any, str]] = {}
@@ -377,15 +421,15 @@ def measure(
                     freeze_gc(url)
                     before[server] = ddtree_metrics(url)
                 waves: dict[str, list] = {config: [] for config in configs}
+                orders = balanced_orders(len(configs))
                 for repeat in range(args.repeats):
-                    shift = repeat % len(configs)
-                    for config in configs[shift:] + configs[:shift]:
-                        bar.set_postfix_str(f"conc {c} {config}")
-                        url = servers[server_of(config)][1]
-                        waves[config].append(
-                            run_wave(url, prompts, c, args.new_tokens, pins[config])
-                        )
-                        bar.update(1)
+                    order = [configs[i] for i in orders[repeat % len(orders)]]
+                    runs = [(servers[server_of(config)][1], pins[config]) for config in order]
+                    bar.set_postfix_str(f"conc {c} round {repeat + 1}")
+                    for config, wave in zip(
+                        order, run_round(runs, prompts, c, args.new_tokens, bar), strict=True
+                    ):
+                        waves[config].append(wave)
                 for config in configs:  # a server's metrics are its own controller's steps
                     server = server_of(config)
                     after = ddtree_metrics(servers[server][1]) if pins[config] is None else {}
@@ -514,7 +558,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"{env['device']} ({env['target']}); greedy, {env['prompts']} prompts of "
         f"{env['prompt_tokens']} tokens, {env['new_tokens']} new tokens each, "
         f"{env.get('repeats', 1)} measured wave(s) per configuration and concurrency, "
-        "interleaved across configurations (tok/s over all of them). `x none`: ratio "
+        "interleaved across configurations (balanced orders; at concurrency 1 request by "
+        "request), tok/s over all of them. `x none`: ratio "
         "to no speculation in the same run; `mismatch`: outputs differing from no "
         "speculation's; budgets: decode steps per budget (DDTREE metrics); pred/obs: mean "
         "predicted vs observed accept length over the calibrated request-steps, +- the 95% "

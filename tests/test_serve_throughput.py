@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -278,3 +279,64 @@ def test_on_a_gpu_each_server_runs_alone_with_its_pinned_configurations(tmp_path
         ["ddtree:auto", "ddtree:auto/8", "ddtree:auto/auto:hard=0"],
         ["ddtree:8"],
     ]
+
+
+@pytest.mark.parametrize("n", [2, 3, 6, 7])
+def test_each_configuration_follows_every_other_equally_often(n):
+    """The rounds' orders (a Williams design): each runs every configuration once, and every
+    configuration follows every other one equally often (once for even n, twice for odd n),
+    so a cost of the wave before (another server's) falls on none of them alone."""
+    bench = load_benchmark("serve_throughput")
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (2 * n if n % 2 else n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = [pair for order in orders for pair in itertools.pairwise(order)]
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    assert sorted(follows) == sorted(pairs * (2 if n % 2 else 1))
+
+
+def test_a_run_measures_its_rounds_in_the_balanced_orders(tmp_path, monkeypatch):
+    """``measure`` runs round r in ``balanced_orders``' order r (cycling), each configuration
+    on its own server (a pinned one in its auto server): at concurrency 2 a whole wave per
+    configuration, at concurrency 1 request by request (prompt k on every configuration before
+    prompt k + 1), each configuration's wave then summed from its requests."""
+    bench = load_benchmark("serve_throughput")
+    calls = []
+    for name in ("warm_up", "freeze_gc", "wait_until_healthy", "stop"):
+        monkeypatch.setattr(bench, name, lambda *a, **k: None)
+    monkeypatch.setattr(bench, "launch", lambda command, *a, **k: command)
+    monkeypatch.setattr(bench, "free_port", itertools.count(1).__next__)
+    monkeypatch.setattr(bench, "ddtree_metrics", lambda url: {})
+    monkeypatch.setattr(bench, "summarise", lambda c, waves, control: waves)
+
+    def fake_wave(url, prompts, c, new_tokens, pin):
+        calls.append((url, pin, [p[0] for p in prompts], c))
+        return {"replies": [(url, pin, p[0]) for p in prompts], "wall": len(calls)}
+
+    monkeypatch.setattr(bench, "run_wave", fake_wave)
+    configs = ["none", "chain", "ddtree:auto", "ddtree:auto/8"]
+    args = bench.parse_args(["--configs", *configs, "--repeats", "5", "--concurrency", "2", "1"])
+    results = bench.measure(args, configs, [[10], [11], [12]], tmp_path)
+    orders = [[configs[i] for i in o] for o in bench.balanced_orders(len(configs))]
+    rounds = [orders[r % len(orders)] for r in range(5)]
+    ports = {"none": 1, "chain": 2, "ddtree:auto": 3, "ddtree:auto/8": 3}  # launch order
+    urls = {config: f"http://127.0.0.1:{port}" for config, port in ports.items()}
+    waves_c2 = [(urls[c], bench.pin_of(c), [10, 11, 12], 2) for order in rounds for c in order]
+    requests_c1 = [
+        (urls[c], bench.pin_of(c), [p], 1) for order in rounds for p in (10, 11, 12) for c in order
+    ]
+    assert calls == waves_c2 + requests_c1
+    for config in configs:
+        concurrency_2, concurrency_1 = results[config]
+        assert [w["replies"] for w in concurrency_1] == [
+            [(urls[config], bench.pin_of(config), p) for p in (10, 11, 12)]
+        ] * 5
+        walls = [
+            k + 1
+            for k, call in enumerate(calls)
+            if call[:2] == (urls[config], bench.pin_of(config))
+        ]
+        assert [w["wall"] for w in concurrency_2] == walls[:5]
+        assert [w["wall"] for w in concurrency_1] == [
+            sum(walls[5 + 3 * r : 8 + 3 * r]) for r in range(5)
+        ]
