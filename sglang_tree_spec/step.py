@@ -122,6 +122,11 @@ EXPLORE_MARGIN = 0.08
 # (serve_throughput_cpu_v30, steps_auto_24949) shows how: the bucket's profile set B 4 and B 8
 # while the load read 0.74, B 16 was first measured with the load at 0.89.
 EXPLORE_INVERTED = 0.10
+# Auto: the budgets next to the best whose cells were last measured FORGET_AFTER or more drafted
+# steps ago, or never, are explored afresh (ControlConfig.explore_stale_neighbours): a cell the
+# start-up profile read 1.4-1.5x too dear (small pair, batch size 1, serve_throughput_cpu_v68:
+# B 16 and B 32) was never measured again, and auto held the budget below it for a whole run.
+EXPLORE_STALE_NEIGHBOURS = True
 # Auto: the calibration learns from every HELD_OBSERVE_EVERY-th drafted step, forecast or held
 # (a grafted tree: from its forecast steps alone), which counts for its stride
 # (ControlConfig.held_observe_every; until session 44 every forecast step was calibrated too,
@@ -463,6 +468,7 @@ AUTO_OVERRIDES: dict[str, tuple[str, Callable[[str], object]]] = {
     "full": ("full_forecast_every", int),
     "below": ("explore_below_best", _flag),
     "near": ("profile_neighbours", _flag),
+    "stale": ("explore_stale_neighbours", _flag),
 }
 
 
@@ -498,7 +504,8 @@ def make_controller(
     choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
     every profiled batch-size bucket, each cell 3 steps: every candidate in the first bucket,
     the contenders in the others (``EXPLORE_MARGIN``); every 32nd drafted step
-    then re-measures the stalest contender (``EXPLORE_MARGIN``) for ``EXPLORE_STEPS`` steps;
+    then re-measures the stalest contender (``EXPLORE_MARGIN``; the best's neighbours while
+    stale, ``EXPLORE_STALE_NEIGHBOURS``) for ``EXPLORE_STEPS`` steps;
     a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
     forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
     ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
@@ -516,6 +523,7 @@ def make_controller(
         explore_steps=EXPLORE_STEPS,
         explore_margin=EXPLORE_MARGIN,
         explore_inverted=EXPLORE_INVERTED,
+        explore_stale_neighbours=EXPLORE_STALE_NEIGHBOURS,
         forget_after=FORGET_AFTER,
         hold_steps=HOLD_STEPS,
         hold_max_steps=HOLD_MAX_STEPS,

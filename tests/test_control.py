@@ -1374,6 +1374,43 @@ def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down()
     assert seconds[2] / seconds[1] == pytest.approx(true[8] / true[4], rel=0.1)
 
 
+def test_a_neighbour_read_too_dear_is_explored_afresh_once_its_cell_is_stale():
+    """The profile read budget 16 at 1.5x its cost, which puts it 27% behind budget 8 where it
+    truly beats it by 10%: no contender, never re-measured, and 8 holds for good (session 49,
+    small pair at batch size 1: B 16 and B 32 kept their 3 profile times through a whole run).
+    With ``explore_stale_neighbours`` the best's neighbours whose cells are ``forget_after``
+    drafted steps old are contenders: 16 is explored, its stale cost forgotten and set by its
+    fresh times, and 16 holds; the stale neighbour below (8) is then re-measured once per
+    ``forget_after`` drafted steps, and 4 (no neighbour of 16) never again."""
+    budgets = (0, 4, 8, 16)
+    tree = strong_or_useless_tree(1, strong=True)
+
+    def run(stale: bool) -> tuple[list[int], list[int]]:
+        config = ControlConfig(
+            budgets=budgets, profile_steps=1, explore_every=8, explore_margin=0.08,
+            forget_after=48, hold_steps=4, explore_stale_neighbours=stale,
+        )  # fmt: skip
+        latency = LatencyModel([[0.01] * 4] * 2, budgets, (1, 8), LatencyConfig(first_steps=1))
+        ctl = BudgetController(config, latency, max_slots=8)
+        fc = ctl.forecast(torch.arange(1), tree.logprobs, tree.depths, tree.valid)
+        total = dict(zip(budgets, (1.0 + fc.expected).sum(0).tolist(), strict=True))
+        scale = {4: 0.9, 8: 1.0, 16: 1.1}  # B N's true rate over B 8's
+        true = {0: 0.02} | {b: 0.01 * total[b] / total[8] / scale[b] for b in scale}
+        profile = true | {16: 1.5 * true[16]}
+        steps = []
+        for i in range(len(budgets) + 1 + 200):  # the profile (budget 4 twice), then 200
+            budget, drafted = step_budget(ctl, 1, fc)
+            ctl.record_step(1, budget, (profile if i <= len(budgets) else true)[budget], drafted)
+            steps.append(budget)
+        return steps[len(budgets) + 1 :], latency.count[0]
+
+    trapped, counts = run(stale=False)
+    assert set(trapped) == {8} and counts[3] == 1  # B 16: its one profile time
+    steps, counts = run(stale=True)
+    assert 16 in steps[:80] and steps[-100:].count(16) >= 95
+    assert steps.count(4) == 1  # stale next to 8 once, then no neighbour of the best
+
+
 def test_a_new_buckets_profile_walks_to_the_measured_best_through_its_neighbours():
     """Batch size 16 first reads its cells from batch size 1's through the prior, which puts
     B 8 at 0.05 s where it takes 0.032 (B 4 0.03): B 8 predicted 23% behind B 4, no
@@ -1475,9 +1512,10 @@ def test_a_policy_strings_latency_keys_set_its_own_latency_models_config():
     assert fields == {"latency": {"pair_rate": 0.05}, "hold_steps": 4}
     assert auto_overrides("auto:below=1") == {"explore_below_best": True}
     assert auto_overrides("auto:below=0") == {"explore_below_best": False}
-    assert auto_overrides("auto:near=1:below=0") == {
+    assert auto_overrides("auto:near=1:below=0:stale=0") == {
         "profile_neighbours": True,
         "explore_below_best": False,
+        "explore_stale_neighbours": False,
     }
     with pytest.raises(ValueError, match="0 or 1"):
         auto_overrides("auto:below=true")

@@ -131,6 +131,20 @@ class ControlConfig:
         waves, concurrency 1 / 2 / 4 / 8 / 16) read 1.059 / 1.002 / 0.983 / 1.010 / 0.987
         (serve_throughput_cpu_v64), within the run's noise; the trap it guards did not occur
         in that run.
+    explore_stale_neighbours: the drafted budgets next to the forecast's best (the one below
+        and the one above) are contenders of its bucket whatever their predicted rate while
+        their cell there was last measured ``forget_after`` or more drafted steps ago, or
+        never: the next exploration re-measures such a cell afresh (its stale cost forgotten,
+        :meth:`BudgetController.record_step`), after which its rate alone makes it a
+        contender again. A cell read too dear, by the start-up profile or under a burst of
+        load, is otherwise never measured again once it falls more than ``explore_margin``
+        behind: small pair through SGLang (session 49, serve_throughput_cpu_v68), the profile
+        set B 16 and B 32 at batch size 1 at 1.45x and 1.6x B 8's cost (pinned, their steps
+        took 1.06x and 1.13x), their cells kept those 3 times for the whole run, and auto
+        held B 8 through all 24 waves at concurrency 1, at 0.944x pinned B 32's tokens/s; a
+        new bucket's never-measured neighbour likewise (v65, batch size 16: B 8 first
+        measured after 14 of 20 waves). It costs ``explore_steps`` steps at a neighbour once
+        in ``forget_after`` drafted steps.
     profile_neighbours: a bucket that profiles its contenders alone (every one after the
         first whole profile, ``profile_steps``) profiles the candidates next to its latest
         forecast's best too (the one below, 0 included, and the one above), whatever their
@@ -239,6 +253,7 @@ class ControlConfig:
     explore_steps: int = 1
     explore_inverted: float | None = None
     explore_below_best: bool = False
+    explore_stale_neighbours: bool = False
     profile_neighbours: bool = False
     forget_after: int | None = None
     explore_margin: float = 1.0
@@ -729,7 +744,8 @@ class BudgetController:
         of the best, for ``bs``'s bucket's explorations (those above the tree's size, not
         predicted, with margin 1 alone), those whose cell reads dearer than a larger
         budget's (``ControlConfig.explore_inverted``) and the drafted budget below ``best``,
-        the forecast's choice (``ControlConfig.explore_below_best``); and, for the profile
+        the forecast's choice (``ControlConfig.explore_below_best``), the stale cells next to
+        it (``ControlConfig.explore_stale_neighbours``); and, for the profile
         alone, the candidates next to ``best`` (``ControlConfig.profile_neighbours``)."""
         margin, budgets = self.config.explore_margin, self.config.budgets
         bucket = bucket_of(self.latency.bs_buckets, bs)
@@ -742,10 +758,32 @@ class BudgetController:
         suspect = set() if inverted is None else set(self.latency.inverted(bs, inverted))
         if self.config.explore_below_best and at > 0 and budgets[at - 1] > 0:
             suspect.add(budgets[at - 1])
+        if self.config.explore_stale_neighbours:
+            suspect.update(self._stale_neighbours(bucket, at))
         self._contenders[bucket] = [
             b
             for b, r in zip(budgets, rates, strict=True)
             if (r >= (1.0 - margin) * top if b <= tree_budget else margin >= 1.0) or b in suspect
+        ]
+
+    def _forget_after(self) -> int:
+        """Host: drafted steps after which a cell is stale (``ControlConfig.forget_after``;
+        0: never)."""
+        after = self.config.forget_after
+        return self.config.explore_every if after is None else after
+
+    def _stale_neighbours(self, bucket: int, at: int) -> list[int]:
+        """Host: the drafted budgets next to ``budgets[at]`` whose cell in ``bucket`` was last
+        measured ``_forget_after()`` or more drafted steps ago, or never
+        (``ControlConfig.explore_stale_neighbours``)."""
+        after, budgets = self._forget_after(), self.config.budgets
+        if not after:
+            return []
+        stamps = self._measured_at.get(bucket, {})
+        return [
+            b
+            for b in budgets[max(at - 1, 0) : at + 2]
+            if b > 0 and b != budgets[at] and self._drafted_steps - stamps.get(b, -after) >= after
         ]
 
     def _note_reach(self, bs: int, tree_budget: int) -> None:
@@ -970,8 +1008,7 @@ class BudgetController:
             return  # a plain step and this one does not hide that it came after one)
         bucket = bucket_of(self.latency.bs_buckets, bs)
         stamps = self._measured_at.setdefault(bucket, {})
-        after = self.config.forget_after
-        after = self.config.explore_every if after is None else after
+        after = self._forget_after()
         if after and budget in stamps and self._drafted_steps - stamps[budget] >= after:
             self.latency.forget(bs, budget)  # stale
         if self.latency.record(bs, budget, seconds / forwards):
