@@ -751,7 +751,7 @@ class BudgetController:
         bucket = bucket_of(self.latency.bs_buckets, bs)
         at = budgets.index(best)
         if self.config.profile_neighbours:
-            self._neighbours[bucket] = list(budgets[max(at - 1, 0) : at + 2])
+            self._neighbours[bucket] = self._beside(at)
         rates = [t / c for t, c in zip(totals, seconds, strict=True)]
         top = max(r for b, r in zip(budgets, rates, strict=True) if b <= tree_budget)
         inverted = self.config.explore_inverted
@@ -772,6 +772,11 @@ class BudgetController:
         after = self.config.forget_after
         return self.config.explore_every if after is None else after
 
+    def _beside(self, at: int) -> list[int]:
+        """Host: ``budgets[at]`` and the candidates next to it (below, 0 included, and above)."""
+        budgets = self.config.budgets
+        return list(budgets[max(at - 1, 0) : at + 2])
+
     def _stale_neighbours(self, bucket: int, at: int) -> list[int]:
         """Host: the drafted budgets next to ``budgets[at]`` whose cell in ``bucket`` was last
         measured ``_forget_after()`` or more drafted steps ago, or never
@@ -782,7 +787,7 @@ class BudgetController:
         stamps = self._measured_at.get(bucket, {})
         return [
             b
-            for b in budgets[max(at - 1, 0) : at + 2]
+            for b in self._beside(at)
             if b > 0 and b != budgets[at] and self._drafted_steps - stamps.get(b, -after) >= after
         ]
 
