@@ -5,7 +5,7 @@ Every configuration's server is started with SGLang's own launcher (``--enable-m
 each gets an unmeasured warm-up wave of ``concurrency`` requests (:func:`warm_up`) and has its
 garbage collector frozen (:func:`freeze_gc`), then ``--repeats`` waves of the same held-out
 prompts (greedy, fixed output length, streamed), interleaved across configurations in
-balanced orders (at concurrency 1 request by request; :func:`measure`).
+balanced orders, group by group (``concurrency`` requests at once; :func:`run_round`).
 Per round: output tokens/s (generated tokens over the round's wall time), SGLang's accept length
 tau (tokens per decode step, bonus included; a DDTREE plain step commits two), time to first
 token and the gaps between streamed chunks (p50 / p99, as ``sglang.bench_serving`` measures
@@ -298,21 +298,24 @@ def run_round(
     bar: tqdm,
 ) -> list[dict]:
     """One round: a wave of all ``prompts`` for each (server URL, pin) of ``runs``, in order,
-    as :func:`run_wave` returns them. At concurrency 1 the waves are interleaved request by
-    request (prompt k on every configuration before prompt k + 1 on any), which changes no
-    wave (its requests run one after another either way) but compares the configurations
-    within seconds instead of a round's minute: this machine's speed drifts by 10-30% over
-    tens of seconds, and one request of each takes under 3 s."""
-    if concurrency > 1:
-        waves = []
-        for url, pin in runs:
-            waves.append(run_wave(url, prompts, concurrency, new_tokens, pin))
-            bar.update(1)
-        return waves
+    as :func:`run_wave` returns them, interleaved group by group: the prompts in groups of
+    ``concurrency``, each group run at once (a batch of ``concurrency`` requests) on every
+    configuration before the next group runs on any; each configuration's wave is summed from
+    its groups (replies, wall time). At concurrency 1 that is request by request. This compares
+    the configurations within seconds instead of a round's minute: this machine's speed drifts
+    by 10-30% over tens of seconds, and one group of each takes a few seconds (small pair,
+    session 49: at concurrency 1 the 95% interval of auto over the best pinned budget shrank from
+    +-6 points with whole waves to +-1.3). A group's requests start together and generate
+    the same number of tokens, so its batch is ``concurrency`` until the first of them
+    ends, as in a whole wave's continuous batching; what groups add is each one's tail at a
+    smaller batch once the first ends (none for plain decoding, whose requests end together;
+    a speculative configuration's end a few steps apart), where a whole wave's next request
+    would have taken the slot."""
     waves = [{"replies": [], "wall": 0.0} for _ in runs]
-    for prompt in prompts:
+    for start in range(0, len(prompts), concurrency):
+        group = prompts[start : start + concurrency]
         for wave, (url, pin) in zip(waves, runs, strict=True):
-            one = run_wave(url, [prompt], 1, new_tokens, pin)
+            one = run_wave(url, group, concurrency, new_tokens, pin)
             wave["replies"] += one["replies"]
             wave["wall"] += one["wall"]
     bar.update(len(runs))
@@ -393,7 +396,7 @@ def measure(
     SERVER's), then per concurrency: a warm-up wave on each server (its garbage collector
     frozen after it), and ``--repeats``
     measured waves per configuration, interleaved (each round in the next of
-    :func:`balanced_orders`; at concurrency 1 request by request, :func:`run_round`) so that
+    :func:`balanced_orders`, group by group, :func:`run_round`) so that
     drifts of this machine's speed, and the wave before each, fall on every configuration
     alike. Returns each
     configuration's rows, one per concurrency."""

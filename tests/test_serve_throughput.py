@@ -297,9 +297,10 @@ def test_each_configuration_follows_every_other_equally_often(n):
 
 def test_a_run_measures_its_rounds_in_the_balanced_orders(tmp_path, monkeypatch):
     """``measure`` runs round r in ``balanced_orders``' order r (cycling), each configuration
-    on its own server (a pinned one in its auto server): at concurrency 2 a whole wave per
-    configuration, at concurrency 1 request by request (prompt k on every configuration before
-    prompt k + 1), each configuration's wave then summed from its requests."""
+    on its own server (a pinned one in its auto server), group by group: at concurrency c each
+    group of c prompts runs at once on every configuration before the next group runs on any
+    (at concurrency 1 request by request), each configuration's wave then summed from its
+    groups."""
     bench = load_benchmark("serve_throughput")
     calls = []
     for name in ("warm_up", "freeze_gc", "wait_until_healthy", "stop"):
@@ -321,22 +322,26 @@ def test_a_run_measures_its_rounds_in_the_balanced_orders(tmp_path, monkeypatch)
     rounds = [orders[r % len(orders)] for r in range(5)]
     ports = {"none": 1, "chain": 2, "ddtree:auto": 3, "ddtree:auto/8": 3}  # launch order
     urls = {config: f"http://127.0.0.1:{port}" for config, port in ports.items()}
-    waves_c2 = [(urls[c], bench.pin_of(c), [10, 11, 12], 2) for order in rounds for c in order]
-    requests_c1 = [
-        (urls[c], bench.pin_of(c), [p], 1) for order in rounds for p in (10, 11, 12) for c in order
+    groups = {2: [[10, 11], [12]], 1: [[10], [11], [12]]}
+    expected = [
+        (urls[config], bench.pin_of(config), group, c)
+        for c in (2, 1)
+        for order in rounds
+        for group in groups[c]
+        for config in order
     ]
-    assert calls == waves_c2 + requests_c1
+    assert calls == expected
     for config in configs:
-        concurrency_2, concurrency_1 = results[config]
-        assert [w["replies"] for w in concurrency_1] == [
-            [(urls[config], bench.pin_of(config), p) for p in (10, 11, 12)]
-        ] * 5
         walls = [
             k + 1
             for k, call in enumerate(calls)
             if call[:2] == (urls[config], bench.pin_of(config))
         ]
-        assert [w["wall"] for w in concurrency_2] == walls[:5]
-        assert [w["wall"] for w in concurrency_1] == [
-            sum(walls[5 + 3 * r : 8 + 3 * r]) for r in range(5)
-        ]
+        for c, waves, offset in ((2, results[config][0], 0), (1, results[config][1], 10)):
+            n = len(groups[c])
+            assert [w["replies"] for w in waves] == [
+                [(urls[config], bench.pin_of(config), p) for p in (10, 11, 12)]
+            ] * 5
+            assert [w["wall"] for w in waves] == [
+                sum(walls[offset + n * r : offset + n * (r + 1)]) for r in range(5)
+            ]
