@@ -309,7 +309,7 @@ def run_round(
     the same number of tokens, so its batch is ``concurrency`` until the first of them
     ends, as in a whole wave's continuous batching; what groups add is each one's tail at a
     smaller batch once the first ends (none for plain decoding, whose requests end together;
-    a speculative configuration's end a few steps apart), where a whole wave's next request
+    a speculative configuration's end at different steps), where a whole wave's next request
     would have taken the slot."""
     waves = [{"replies": [], "wall": 0.0} for _ in runs]
     for start in range(0, len(prompts), concurrency):
