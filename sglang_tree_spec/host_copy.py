@@ -9,9 +9,13 @@ is an ordinary copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# Called with each copy's result (step accounting, ``plugin/accounting.py``); empty otherwise.
+OBSERVERS: list[Callable[[torch.Tensor], None]] = []
 
 
 def to_device(values: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
@@ -20,5 +24,9 @@ def to_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
     if dtype is not None:
         host = host.to(dtype)
     if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        result = host.to(device)
+    else:
+        result = host.pin_memory().to(device, non_blocking=True)
+    for observe in OBSERVERS:
+        observe(result)
+    return result

@@ -80,15 +80,16 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         needs_cpu_seq_lens: bool = True,
         needs_confidence_relay: bool = False,
     ) -> Any:
-        """SGLang's overlap relay buffers, built as for the builtin algorithms, except that
-        the host lengths are always relayed (as SGLang does for NGRAM, whose full-mask verify
-        also sizes its mask per request on the host): DDTREE sizes its tree mask and the verify
-        graph's metadata from them, whatever the attention backend declares (triton and
-        flashinfer say they need none, and each step would then wait on ``seq_lens.cpu()``)."""
+        """SGLang's overlap relay buffers, built as for the builtin algorithms: host lengths
+        are relayed only where an attention backend needs them (triton and flashinfer do not).
+        DDTREE sizes its tree mask and the verify graph's metadata from host upper bounds
+        (the step's KV reservation, ``backend.host_lengths``, as DFLASH does) when no host
+        lengths come, so no step waits on the previous one's ``seq_lens``."""
         from sglang.srt.managers.overlap_utils import FutureMap
 
-        del needs_cpu_seq_lens  # the backends' own answer; DDTREE's verify needs them
-        return FutureMap(device, self, req_to_token_pool, True, needs_confidence_relay)
+        return FutureMap(
+            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
 
 
 def worker_factory(server_args: Any) -> type:

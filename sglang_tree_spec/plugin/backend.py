@@ -12,8 +12,8 @@ accepted path, on SGLang's shared KV pool:
 * the accepted path's target KV moves to the contiguous slots ``prefix .. prefix + a`` and the
   drafter's context KV for those tokens is written from the target's hidden states.
 
-Sizes come from the scheduler's host copy of the sequence lengths, so no device tensor is read
-back here.
+Sizes come from the scheduler's host lengths, exact or (under overlap) upper bounds
+(:func:`host_lengths`), so no device tensor is read back here.
 """
 
 from __future__ import annotations
@@ -34,6 +34,23 @@ from sglang_tree_spec.tree import (
 from sglang_tree_spec.tree.penalties import TreePenalties, penalize_tree_logits
 
 
+def host_lengths(batch: Any) -> tuple[torch.Tensor, bool]:
+    """``[bs]`` int64 host lengths of a decode batch and whether they are exact.
+
+    Exact: the scheduler's ``seq_lens_cpu`` (synchronous scheduling, or relayed under overlap).
+    Else, under overlap where no backend needs host lengths, the step's KV reservation
+    (:func:`compat.reserved_lens`, at least the host's lagging committed length + 2 windows) bounds
+    every length this step reaches (the cached prefix, at most one window past the host's, plus
+    this step's window); sizes and plans read from it as from DFLASH's. Without either, the
+    device lengths are read back (a blocking read)."""
+    if batch.seq_lens_cpu is not None:
+        return batch.seq_lens_cpu.to(torch.int64), True
+    reserved = compat.reserved_lens(batch)
+    if reserved is not None:
+        return reserved.to(torch.int64), False
+    return batch.seq_lens.cpu().to(torch.int64), True
+
+
 class SGLangBackend:
     """Draft, verify and keep for one decode ``batch`` (a ``ModelWorkerBatch``) of ``worker``.
 
@@ -47,11 +64,8 @@ class SGLangBackend:
         self.worker, self.batch = worker, batch
         self._capture_full = CaptureHiddenMode.FULL
         self.req_to_token = worker.model_runner.req_to_token_pool.req_to_token
-        self.host_prefix_lens = (
-            batch.seq_lens_cpu.to(torch.int64)
-            if batch.seq_lens_cpu is not None
-            else batch.seq_lens.cpu().to(torch.int64)
-        )  # [bs]
+        # [bs] host lengths: exact, or upper bounds (no host lengths relayed under overlap)
+        self.host_prefix_lens, self.host_lens_exact = host_lengths(batch)
         self.logits_output: Any = None
         self.can_run_cuda_graph = False
         self._window_locs: torch.Tensor | None = None  # [bs, W] KV slots of the window
@@ -160,7 +174,10 @@ class SGLangBackend:
         earlier, self._verified = self._verified, self._verified + 1
         window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
-        host_lens = self.host_prefix_lens + earlier + window  # [bs] lengths after the window
+        if self.host_lens_exact:
+            host_lens = self.host_prefix_lens + earlier + window  # [bs] lengths after the window
+        else:  # the reservation covers the window (see host_lengths)
+            host_lens = self.host_prefix_lens
         host_sum = int(host_lens.sum())
         mask_size = window * host_sum  # FULL_MASK entries
         if window == 1:  # a plain step: the root sees its prefix and itself

@@ -70,6 +70,11 @@ _COMMON_INTERNALS = (
     "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
     "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
     "sglang.srt.speculative.draft_worker_common.make_draft_input_v2",
+    # accounting.py (step accounting, diagnostics: plugin.accounting.TARGETS)
+    "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu",
+    "sglang.srt.plugins.hook_registry.HookRegistry",
+    "sglang.srt.arg_groups.speculative_hook._handle_dflash",
     # graphs.py (the DDTREE verify graph runner)
     "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
@@ -129,6 +134,10 @@ SAMPLING_PARAMS_ATTRIBUTES = ("custom_params",)
 # Where a Req keeps its ``req_to_token`` row, per release (0.5.23 moved it into the request's KV
 # state, ``req.kv``): read by :func:`req_rows` (the deferred drafter context's host rows).
 REQ_ROW: dict[str, str] = {"0.5.17": "req_pool_idx", "0.5.23": "kv.req_pool_idx"}
+
+# Where a decode batch's draft input keeps the step's KV reservation on the host (an upper bound
+# of the lengths the step reaches), per release: read by :func:`reserved_lens`.
+RESERVED_LENS: dict[str, str] = {"0.5.17": "reserved_seq_lens_cpu", "0.5.23": "nxt_kv_lens_cpu"}
 
 # The Req attributes SGLang separates prefix caches by, per release: the isolation key of
 # ``--speculative-ddtree-table per-key``. 0.5.17 folds the OpenAI ``cache_salt`` (and a LoRA
@@ -269,6 +278,12 @@ def req_rows(reqs: list[Any]) -> list[int | None]:
     """Each request's ``req_to_token`` row (:data:`REQ_ROW`), from the host requests."""
     row = _req_row()
     return [row(req) for req in reqs]
+
+
+def reserved_lens(batch: Any) -> Any:
+    """``[bs]`` host tensor of the KV lengths SGLang reserved for a decode batch's step
+    (:data:`RESERVED_LENS`), or None where the draft input has none."""
+    return getattr(batch.spec_info, RESERVED_LENS[check_release()], None)
 
 
 def isolation_key(req: Any) -> tuple[str | None, ...]:

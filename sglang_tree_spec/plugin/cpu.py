@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -212,6 +214,8 @@ def tree_verify_torch_backend() -> type:
     * every window token, for non-causal layers (a DFlash drafter's block is ENCODER_ONLY);
     * a causal window otherwise (a chain verify).
 
+    It reads the device lengths alone, so it declares ``needs_cpu_seq_lens = False``: SGLang's
+    overlap scheduler then relays no host lengths to it (as for triton and flashinfer).
     Mirrored by ``patches/sglang-0.5.17/0004-torch-native-target-verify.diff``.
     """
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -219,6 +223,9 @@ def tree_verify_torch_backend() -> type:
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     class TreeVerifyTorchNativeAttnBackend(TorchNativeAttnBackend):
+        # Reads the device lengths only (TARGET_VERIFY too): overlap need not relay host ones.
+        needs_cpu_seq_lens = False
+
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             if not forward_batch.forward_mode.is_target_verify():
                 return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
@@ -373,6 +380,13 @@ def spec_relay_on_cpu(original: Any, future_map: Any, *args: Any, **kwargs: Any)
     """
     if torch.device(future_map.device).type != "cpu":
         return original(future_map, *args, **kwargs)
+    with no_stream_record_on_cpu():
+        return original(future_map, *args, **kwargs)
+
+
+@contextmanager
+def no_stream_record_on_cpu() -> Iterator[None]:
+    """``Tensor.record_stream`` skips CPU tensors (which refuse it) while open."""
     record_stream = torch.Tensor.record_stream
 
     def record_off_cpu(tensor: torch.Tensor, stream: Any) -> None:
@@ -381,6 +395,6 @@ def spec_relay_on_cpu(original: Any, future_map: Any, *args: Any, **kwargs: Any)
 
     torch.Tensor.record_stream = record_off_cpu
     try:
-        return original(future_map, *args, **kwargs)
+        yield
     finally:
         torch.Tensor.record_stream = record_stream

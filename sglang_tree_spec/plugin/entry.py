@@ -25,11 +25,13 @@ def register() -> None:
         _refuse_ddtree(error)
         _registered = True
         return
+    from sglang_tree_spec.plugin import accounting
     from sglang_tree_spec.plugin.algorithm import register_algorithm
     from sglang_tree_spec.plugin.hooks import register_hooks
 
     register_algorithm()
     register_hooks()
+    accounting.register()  # diagnostics, only with SGLANG_TREE_SPEC_ACCOUNTING set
     _registered = True
 
 

@@ -341,16 +341,20 @@ class DDTreeVerifyGraphs:
                 "DDTREE verify graph replayed: batch size %d, budget %d", key[0], key[1] - 1
             )
         self.replays[key] = self.replays.get(key, 0) + 1
-        if self.replay_mode == "cuda":
-            self._graphs[key].replay()
-            output = self._outputs[key]
-        else:
-            output = self._graphs[key]()
+        output = self.replay_shape(key)
         hidden = output.hidden_states
         return LogitsProcessorOutput(
             next_token_logits=output.next_token_logits[:raw_tokens],
             hidden_states=hidden[:raw_tokens] if hidden is not None else None,
         )
+
+    def replay_shape(self, key: tuple[int, int]) -> Any:
+        """One replay of shape ``key`` over the static buffers (one launch on CUDA): its
+        static output (CUDA) or the closure's (CPU)."""
+        if self.replay_mode == "cuda":
+            self._graphs[key].replay()
+            return self._outputs[key]
+        return self._graphs[key]()
 
 
 class _null:

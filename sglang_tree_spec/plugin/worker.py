@@ -70,6 +70,7 @@ BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto onl
 # command differ by up to ~5% for a whole run, more than what sets auto apart from the best
 # fixed budget. Off: the parameter is ignored.
 PIN_ENV_FLAG = "SGLANG_TREE_SPEC_PIN_BUDGET"
+EAGER_DRAFT_ENV = "SGLANG_TREE_SPEC_EAGER_DRAFT"  # 1: no CUDA graph for the drafter's block
 PIN_PARAM = "ddtree_budget"
 
 
@@ -323,8 +324,19 @@ def _define_worker() -> type:
                 bs_buckets=bs_buckets_for(torch.device(self.device).type),
             )
 
+        def _maybe_build_draft_sampler(self) -> None:
+            """No greedy sampler in the drafter's graph: DDTREE reads the block's hidden
+            states (its top-K comes from the target's LM head, ``SGLangBackend.draft_topk``)."""
+            return None
+
         def init_cuda_graphs(self) -> None:
-            self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
+            """On CUDA the drafter's block is replayed from SGLang's draft graphs, captured
+            as DFLASH captures them (without its sampler; ``SGLANG_TREE_SPEC_EAGER_DRAFT=1``:
+            eager); on CPU it runs eagerly."""
+            if self.device == "cpu" or os.environ.get(EAGER_DRAFT_ENV) == "1":
+                self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
+            else:
+                super().init_cuda_graphs()
             # On CUDA SGLang has built the target's verify graphs by now (plugin/graphs.py,
             # through its decode graph runner hook); on CPU only when asked (tests), the same
             # runner replays its captured closures.

@@ -72,16 +72,20 @@ class TreeGraphs:
             self._shapes[key] = shape
         shape.topk_logprobs.copy_(topk_logprobs)
         shape.topk_tokens.copy_(topk_tokens)
-        if shape.graph is not None:
-            shape.graph.replay()
-        else:
-            fresh = _build(shape.topk_logprobs, shape.topk_tokens, budget)
-            for field in dataclasses.fields(DraftTree):
-                value = getattr(fresh, field.name)
-                if isinstance(value, torch.Tensor):
-                    getattr(shape.tree, field.name).copy_(value)
+        self.replay_shape(shape, budget)
         self.replays += 1
         return shape.tree
+
+    def replay_shape(self, shape: _Shape, budget: int) -> None:
+        """One replay of a captured shape over its static inputs (one launch on CUDA)."""
+        if shape.graph is not None:
+            shape.graph.replay()
+            return
+        fresh = _build(shape.topk_logprobs, shape.topk_tokens, budget)
+        for field in dataclasses.fields(DraftTree):
+            value = getattr(fresh, field.name)
+            if isinstance(value, torch.Tensor):
+                getattr(shape.tree, field.name).copy_(value)
 
     def _capture(self, topk_logprobs, topk_tokens, budget) -> _Shape:
         static_lp, static_tok = topk_logprobs.clone(), topk_tokens.clone()
