@@ -131,3 +131,27 @@ def test_setup_refuses_a_new_venv_on_a_full_disk_in_one_line(tmp_path):
         f"setup-dev: only 300 MB free under {tmp_path}; a new .venv needs about 8 GB"
     ]
     assert not (tmp_path / ".venv").exists()
+
+
+def test_benchmarks_write_no_machine_paths():
+    """What a benchmark writes names the checkout's files relative to it, the home folder as
+    ``~`` and the temporary folder as ``<tmp>``; leaves rates, endpoints and ratios alone."""
+    import tempfile
+
+    from benchmark_helpers import load_benchmark
+
+    common = load_benchmark("common")
+    tmp = tempfile.gettempdir()
+    text = (
+        f'"target": "{ROOT}/sglang_tree_spec/assets/small-pair/target", '
+        f"--token-map {Path.home()}/.cache/x/token_map.pt --logs {tmp}/exp/logs "
+        "--drafter /work/other-checkout/drafter, cwd "
+        + str(ROOT)
+        + " 12.5 tok/s 0.98 / 1.01 /generate"
+    )
+    assert common.portable(text) == (
+        '"target": "sglang_tree_spec/assets/small-pair/target", '
+        "--token-map ~/.cache/x/token_map.pt --logs <tmp>/exp/logs "
+        "--drafter <path>/drafter, cwd . 12.5 tok/s 0.98 / 1.01 /generate"
+    )
+    assert not common.MACHINE_PATH.search(common.portable(text))
