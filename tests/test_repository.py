@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 FOLDERS = ("sglang_tree_spec", "patches", "launch", "tests", "benchmarks")
-RUN_VERSION = re.compile(r"_v\d+(?![A-Za-z\d])")  # a run number in a file name: x_v70.md, x_v3_y
+RUN_VERSION = re.compile(r"_v\d+(?![A-Za-z\d])")  # a run number in a file name
 MACHINE_PATH = re.compile(rb"(?<![\w.])/(work|tmp|root|home|Users|mnt|opt)/")
 
 
