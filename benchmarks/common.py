@@ -7,7 +7,8 @@
   taus, under a (paired) bootstrap over prompts: decoding is deterministic, so the noise that
   matters is the choice of prompts.
 * :func:`environment` records the versions, device, threads and load of a run.
-* :func:`portable` takes this machine's paths out of what a benchmark writes.
+* :func:`portable` / :func:`portable_record` take this machine's paths out of what a benchmark
+  writes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def portable(text: str) -> str:
         if prefix not in ("", "/"):
             text = re.sub(re.escape(prefix) + r"(?![\w.-])", short, text)
     return MACHINE_PATH.sub(lambda m: "<path>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
+def portable_record(value):
+    """``value`` (a record: dicts, lists, tuples, strings, numbers) with :func:`portable` applied
+    to every string in it, so that what a benchmark returns is what it writes."""
+    if isinstance(value, str):
+        return portable(value)
+    if isinstance(value, dict):
+        return {portable_record(k): portable_record(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(portable_record(v) for v in value)
+    return value
 
 
 class Tally:
