@@ -52,6 +52,7 @@ from common import (
     decode_prompts,
     environment,
     first_difference,
+    portable_record,
     sha256_file,
 )
 
@@ -370,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     out = args.out or default_out(args.target, device)
     out.parent.mkdir(parents=True, exist_ok=True)
+    record = portable_record(record)
     out.write_text(json.dumps(record, indent=2) + "\n")
     plot_path = out.with_suffix(".png")
     plot(record, plot_path)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from common import command_line, environment
+from common import command_line, environment, portable, portable_record
 from tqdm import tqdm
 
 from sglang_tree_spec import step
@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
         ],
     }
     if args.out:
+        record = portable_record(record)
         args.out.write_text(json.dumps(record, indent=1))
-        args.out.with_suffix(".md").write_text(text + "\n")
+        args.out.with_suffix(".md").write_text(portable(text) + "\n")
         print(f"wrote {args.out} (+ .md)")
     return record
 

@@ -7,6 +7,8 @@
   taus, under a (paired) bootstrap over prompts: decoding is deterministic, so the noise that
   matters is the choice of prompts.
 * :func:`environment` records the versions, device, threads and load of a run.
+* :func:`portable` / :func:`portable_record` take this machine's paths out of what a benchmark
+  writes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import hashlib
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +33,37 @@ from tqdm import tqdm
 from sglang_tree_spec.engine import SpecEngine
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+# An absolute path under a machine's own folders (what portable() must not leave behind).
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|tmp|root|home|Users|mnt|opt)/[^\s\"'`()<>,;]*")
+
+
+def portable(text: str) -> str:
+    """``text`` without this machine's paths: the checkout's become repository-relative, the
+    home folder ``~``, the temporary folder ``<tmp>``, any other machine path ``<path>/NAME``
+    (its last part). Results are committed and read on other machines."""
+    text = text.replace(str(ROOT) + "/", "")
+    for prefix, short in (
+        (str(ROOT), "."),
+        (str(Path.home()), "~"),
+        (os.path.realpath(tempfile.gettempdir()), "<tmp>"),
+        (tempfile.gettempdir(), "<tmp>"),
+    ):
+        if prefix not in ("", "/"):
+            text = re.sub(re.escape(prefix) + r"(?![\w.-])", short, text)
+    return MACHINE_PATH.sub(lambda m: "<path>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
+def portable_record(value):
+    """``value`` (a record: dicts, lists, tuples, strings, numbers) with :func:`portable` applied
+    to every string in it, so that what a benchmark returns is what it writes."""
+    if isinstance(value, str):
+        return portable(value)
+    if isinstance(value, dict):
+        return {portable_record(k): portable_record(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(portable_record(v) for v in value)
+    return value
 
 
 class Tally:

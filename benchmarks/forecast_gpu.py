@@ -136,7 +136,7 @@ def render(results: list[dict], profiles: list[Profile]) -> str:
             f"- {d.name}: {d.mem_bandwidth / 1e12:.2f} TB/s x {d.bw_efficiency:.0%} achieved, "
             f"{d.peak_flops / 1e12:.0f} TFLOP/s bf16 dense x {d.flops_efficiency:.0%} achieved; "
             f"fixed {d.step_overhead_s * 1e3:.1f} ms per step (scheduler, launches, sampling: "
-            f"assumes CUDA graphs, which DDTREE turns off today) + "
+            f"assumes CUDA graphs, which DDTREE keeps on) + "
             f"{d.draft_overhead_s * 1e3:.1f} ms per drafted step (tree build, layout, accept)."
         )
     lines += [

@@ -64,7 +64,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, Tally, bootstrap_interval, command_line, decode_prompts
+from common import (
+    RESULTS,
+    Tally,
+    bootstrap_interval,
+    command_line,
+    decode_prompts,
+    portable_record,
+)
 
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.loading import load_drafter, load_target
@@ -413,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
             "results": results,
         }
         out.parent.mkdir(parents=True, exist_ok=True)
+        record = portable_record(record)
         out.write_text(json.dumps(record, indent=2) + "\n")
         return record
 

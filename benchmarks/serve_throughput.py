@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import command_line, environment
+from common import command_line, environment, portable, portable_record
 from tqdm import tqdm
 
 from sglang_tree_spec import step
@@ -793,9 +793,10 @@ def main(argv: list[str] | None = None) -> dict:
         pass
     record = {"env": env, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = portable_record(record)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     table = markdown(rows, env)
-    args.out.with_suffix(".md").write_text(table)
+    args.out.with_suffix(".md").write_text(portable(table))
     plot(rows, args.out.with_suffix(".png"))
     print(table)
     print(f"wrote {args.out} (+ .md, .png)")

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import command_line, environment
+from common import command_line, environment, portable, portable_record
 from serve_throughput import _cumulative
 from serve_throughput import server_command as throughput_server_command
 from tqdm import tqdm
@@ -637,11 +637,12 @@ def main(argv: list[str] | None = None) -> dict:
         "run": {k: v for k, v in run.items() if k not in ("results", "seeded_replay")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = portable_record(record)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     raw = {"results": run["results"], "seeded_replay": run["seeded_replay"]}
     (logs / "raw.json").write_text(json.dumps(raw | {"baseline": reference["outputs"]}))
     table = markdown(record)
-    args.out.with_suffix(".md").write_text(table)
+    args.out.with_suffix(".md").write_text(portable(table))
     print(table)
     print(f"wrote {args.out} (+ .md)")
     return record

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, environment, paired_medians
+from common import RESULTS, command_line, environment, paired_medians, portable_record
 
 from sglang_tree_spec.config import TreeConfig
 from sglang_tree_spec.graft import EdgeAcceptance, SuccessorTable, graft_unified
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = portable_record(record)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
     return record

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, environment
+from common import RESULTS, command_line, environment, portable_record
 from torch.nn.functional import cosine_similarity as cosine
 from transformers import AutoTokenizer
 
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "grad_cosine_shortlist_vs_full": fidelity,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = portable_record(result)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("median_step_seconds", "speedup_vs_today")}))
     print(json.dumps(result["cache"]), json.dumps(fidelity))

@@ -23,7 +23,7 @@ import platform
 from pathlib import Path
 
 import torch
-from common import paired_medians
+from common import paired_medians, portable_record
 
 from sglang_tree_spec.tree import build_ddtree, build_ddtree_reference
 
@@ -107,7 +107,9 @@ def main() -> None:
             "load_average_1_5_15min": os.getloadavg(),  # other work sharing the machine
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(portable_record({"env": env, "rows": rows}), indent=2) + "\n"
+        )
         print(f"wrote {args.out}")
 
 

@@ -21,7 +21,11 @@ def test_small_pair_run_writes_exact_results(acceptance, tmp_path):
 
     assert json.loads(out.read_text()) == record
     assert out.with_suffix(".png").stat().st_size > 0
-    assert record["command"] == "python benchmarks/acceptance.py " + " ".join(argv)
+    from common import portable  # benchmarks/ is importable once a benchmark is loaded
+
+    # the command as written: the temporary folder as <tmp>, no machine path
+    assert record["command"] == portable("python benchmarks/acceptance.py " + " ".join(argv))
+    assert "<tmp>/" in record["command"] and str(tmp_path) not in json.dumps(record)
     assert record["pair"] == "small pair"
     assert record["settings"]["budgets"] == [4, 8]
     assert record["settings"]["new_tokens"] == 8 and record["settings"]["greedy"]

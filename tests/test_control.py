@@ -1376,7 +1376,7 @@ def test_the_budget_below_the_best_is_explored_and_a_trapped_choice_walks_down()
 
 def test_a_neighbour_read_too_dear_is_explored_afresh_once_its_cell_is_stale():
     """The profile read budget 16 at 1.5x its cost, which puts it 27% behind budget 8 where it
-    truly beats it by 10%: no contender, never re-measured, and 8 holds for good (session 49,
+    truly beats it by 10%: no contender, never re-measured, and 8 holds for good (seen on the
     small pair at batch size 1: B 16 and B 32 kept their 3 profile times through a whole run).
     With ``explore_stale_neighbours`` the best's neighbours whose cells are ``forget_after``
     drafted steps old are contenders: 16 is explored, its stale cost forgotten and set by its

@@ -23,7 +23,9 @@ def test_small_pair_run_compares_every_method_with_the_chain(graft_benchmark, tm
 
     assert json.loads(out.read_text()) == record
     assert out.with_suffix(".png").stat().st_size > 0
-    assert record["command"] == "python benchmarks/graft_acceptance.py " + " ".join(argv)
+    from common import portable  # benchmarks/ is importable once a benchmark is loaded
+
+    assert record["command"] == portable("python benchmarks/graft_acceptance.py " + " ".join(argv))
     assert record["pair"] == "committed small pair" and not record["stops_at_eos"]
     assert record["complete"]
     [row] = record["results"]
@@ -64,7 +66,11 @@ def test_resume_measures_only_the_cells_an_interrupted_run_left(graft_benchmark,
     assert row["domains"]["code"]["chain"]["tokens"] == 2 * 6
     assert set(record["domains"]) == {"copy-edit", "code"}
     assert record["command"] == first["command"] and record["complete"]
-    assert record["resumed_by"] == ["python benchmarks/graft_acceptance.py " + " ".join(argv)]
+    from common import portable
+
+    assert record["resumed_by"] == [
+        portable("python benchmarks/graft_acceptance.py " + " ".join(argv))
+    ]
 
     other = [*common, "--new-tokens", "7", "--budgets", "8", "--domains", "code", "--resume"]
     with pytest.raises(ValueError, match=r"other new_tokens$"):

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FOLDERS = ("sglang_tree_spec", "patches", "launch", "tests", "benchmarks")
+RUN_VERSION = re.compile(r"_v\d+(?![A-Za-z\d])")  # a run number in a file name
+MACHINE_PATH = re.compile(rb"(?<![\w.])/(work|tmp|root|home|Users|mnt|opt)/")
 
 
 def readme_commands() -> list[str]:
@@ -131,3 +135,81 @@ def test_setup_refuses_a_new_venv_on_a_full_disk_in_one_line(tmp_path):
         f"setup-dev: only 300 MB free under {tmp_path}; a new .venv needs about 8 GB"
     ]
     assert not (tmp_path / ".venv").exists()
+
+
+def test_benchmarks_write_no_machine_paths():
+    """What a benchmark writes names the checkout's files relative to it, the home folder as
+    ``~`` and the temporary folder as ``<tmp>``; leaves rates, endpoints and ratios alone."""
+    import tempfile
+
+    from benchmark_helpers import load_benchmark
+
+    common = load_benchmark("common")
+    tmp = tempfile.gettempdir()
+    text = (
+        f'"target": "{ROOT}/sglang_tree_spec/assets/small-pair/target", '
+        f"--token-map {Path.home()}/.cache/x/token_map.pt --logs {tmp}/exp/logs "
+        "--drafter /work/other-checkout/drafter, cwd "
+        + str(ROOT)
+        + " 12.5 tok/s 0.98 / 1.01 /generate"
+    )
+    assert common.portable(text) == (
+        '"target": "sglang_tree_spec/assets/small-pair/target", '
+        "--token-map ~/.cache/x/token_map.pt --logs <tmp>/exp/logs "
+        "--drafter <path>/drafter, cwd . 12.5 tok/s 0.98 / 1.01 /generate"
+    )
+    assert not common.MACHINE_PATH.search(common.portable(text))
+
+
+def results_files() -> list[Path]:
+    """The files under benchmarks/results/ that the repository keeps: all on disk but those git
+    ignores (the main job's output, raw GPU validation folders)."""
+    files = sorted(p for p in RESULTS.rglob("*") if p.is_file())
+    try:
+        ignored = subprocess.run(
+            ["git", "-C", str(ROOT), "check-ignore", "--stdin"],
+            input="\n".join(str(p.relative_to(ROOT)) for p in files),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):  # no git: every file counts
+        ignored = []
+    return [p for p in files if str(p.relative_to(ROOT)) not in set(ignored)]
+
+
+def readmes() -> list[Path]:
+    return [ROOT / "README.md", *(ROOT / folder / "README.md" for folder in FOLDERS)]
+
+
+def test_readme_is_for_users():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 350, f"README.md has {len(lines)} lines (at most 350)"
+
+
+def test_every_top_level_folder_explains_itself():
+    missing = [folder for folder in FOLDERS if not (ROOT / folder / "README.md").is_file()]
+    assert not missing, f"no README.md in {missing}"
+
+
+def test_readmes_carry_no_development_log():
+    """No numbered work periods and no run-versioned file names in any README."""
+    found = []
+    for readme in readmes():
+        if not readme.is_file():
+            continue
+        for number, line in enumerate(readme.read_text().splitlines(), 1):
+            if re.search(r"\bsession \d+", line, flags=re.I) or RUN_VERSION.search(line):
+                found.append(f"{readme.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    assert not found, "\n".join(found)
+
+
+def test_results_are_current_and_portable():
+    """One current file set per benchmark: few files, none named by run version, none holding
+    the absolute path of the machine it ran on."""
+    files = results_files()
+    assert len(files) <= 40, f"{len(files)} files in benchmarks/results/ (at most 40)"
+    versioned = [p.name for p in files if RUN_VERSION.search(p.name)]
+    assert not versioned, f"run-versioned result files: {versioned}"
+    with_paths = [p.name for p in files if MACHINE_PATH.search(p.read_bytes())]
+    assert not with_paths, f"result files holding machine paths: {with_paths}"

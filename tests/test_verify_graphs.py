@@ -14,7 +14,8 @@ previous step's (or the capture's) values: the outputs then differ (see the runn
 Once more as on a GPU: SGLang's triton attention backend (its kernels under Triton's interpreter)
 under SGLang's overlap scheduler. That backend declares that it needs no host sequence lengths,
 so SGLang's overlap relay stops publishing them unless DDTREE asks for them; without them the
-runner cannot pad and plan a replay, and every verify ran eagerly on an H200 (2026-11-28).
+runner cannot pad and plan a replay, and every verify ran eagerly on an H200
+(benchmarks/results/gpu_h200.md).
 """
 
 from __future__ import annotations

@@ -123,14 +123,13 @@ class ControlConfig:
         the best and correct their cells' ratio (:meth:`LatencyModel._pair`). A row's cells are
         set by a few profile steps each; once a smaller budget falls more than
         ``explore_margin`` behind on a ratio set wrong there, nothing re-measures it (small
-        pair at concurrency 16 through SGLang, session 46: B 16's cell read 1.14x B 4's where
+        pair at concurrency 16 through SGLang: B 16's cell read 1.14x B 4's where
         its steps took 1.45x, B 4 never explored, B 16 held). Exploring the smaller neighbour
         costs fewer accepted tokens, never a dearer step, and the rate is unimodal in N, so a
         best budget that is wrong walks down one candidate at a time. Not auto's default:
         ``auto:below=1`` paired per wave against auto in the same server (small pair, 12
         waves, concurrency 1 / 2 / 4 / 8 / 16) read 1.059 / 1.002 / 0.983 / 1.010 / 0.987
-        (serve_throughput_cpu_v64), within the run's noise; the trap it guards did not occur
-        in that run.
+        (see benchmarks/README.md, tuned settings), within the run's noise.
     explore_stale_neighbours: the drafted budgets next to the forecast's best (the one below
         and the one above) are contenders of its bucket whatever their predicted rate while
         their cell there was last measured ``forget_after`` or more drafted steps ago, or
@@ -138,11 +137,11 @@ class ControlConfig:
         :meth:`BudgetController.record_step`), after which its rate alone makes it a
         contender again. A cell read too dear, by the start-up profile or under a burst of
         load, is otherwise never measured again once it falls more than ``explore_margin``
-        behind: small pair through SGLang (session 49, serve_throughput_cpu_v68), the profile
+        behind: small pair through SGLang (benchmarks/README.md, tuned settings), the profile
         set B 16 and B 32 at batch size 1 at 1.45x and 1.6x B 8's cost (pinned, their steps
         took 1.06x and 1.13x), their cells kept those 3 times for the whole run, and auto
         held B 8 through all 24 waves at concurrency 1, at 0.944x pinned B 32's tokens/s; a
-        new bucket's never-measured neighbour likewise (v65, batch size 16: B 8 first
+        new bucket's never-measured neighbour likewise (batch size 16: B 8 first
         measured after 14 of 20 waves). It costs ``explore_steps`` steps at a neighbour once
         in ``forget_after`` drafted steps.
     profile_neighbours: a bucket that profiles its contenders alone (every one after the
@@ -152,14 +151,14 @@ class ControlConfig:
         best, ``profile_steps`` steps a candidate at most, once a bucket. A new bucket's
         unmeasured cells read its measured neighbours' through the roofline prior, and where
         the prior's growth in N is off, the contenders are the wrong ones: small pair at
-        concurrency 16 through SGLang (session 48, serve_throughput_cpu_v65), batch size 16
+        concurrency 16 through SGLang, batch size 16
         read B 8 at 1.45x B 4's cost (49.3 against 34.1 ms; pinned, its steps took 1.18x), so
         B 8 was no contender, was not profiled, and auto held B 4 there for 14 of 20 waves
         until one forecast's margin let B 8 in (pinned, B 8 read 1.02x B 4's tokens/s at
         batch size 16). Unlike a contender, a neighbour is not explored again. Not auto's
         default: ``auto:near=1`` paired per wave against auto in the same server (small pair,
         12 waves, concurrency 2 / 4 / 8 / 16) read 1.014 / 1.010 / 0.972 / 0.983
-        (serve_throughput_cpu_v66), within the run's noise.
+        (see benchmarks/README.md, tuned settings), within the run's noise.
     explore_steps: an exploration step's budget holds for this many drafted steps (it
         included), so the re-measured cell reads several fresh times; one more after a plain
         step (the first drafted step after one is not timed: :meth:`BudgetController.record_step`).
@@ -182,9 +181,9 @@ class ControlConfig:
         costs less per node (at concurrency 16 the batch shrinks request by request as a wave ends,
         and ending the hold there made every second step of the tail a forecast), nor do new
         requests replacing them up to the batch the choice was made for (a batch "grows" past
-        the forecast's batch only; until session 45 the hold's batch followed the batch down as
-        requests left, and each replacement at a steady concurrency then forecast: 93 of 993
-        steps at batch size 4, small pair through SGLang, 16 after).
+        the forecast's batch only; a hold whose batch followed the batch down as requests left
+        made each replacement at a steady concurrency forecast: 93 of 993 steps at batch size
+        4, small pair through SGLang, against 16).
     hold_max_steps: a forecast that chooses the budget the forecast before it chose holds twice
         as long as that one's hold, up to this many drafted steps (None: ``hold_steps``
         always); a different choice, or a plain run between them, holds ``hold_steps`` again.
@@ -220,17 +219,17 @@ class ControlConfig:
         too when the reach is under the drafter's block) and ranks a smaller tree: at batch
         size 8, where B 4-8 contend and B 32 reads 0.78-0.85x the best, a full forecast step
         took 3.7 ms more than B 8's pinned step and one reaching B 8 alone 1.7 ms (small pair
-        on this CPU through SGLang, session 46). A budget above the reach keeps its
+        on this CPU through SGLang). A budget above the reach keeps its
         per-request averages (``choice_decay``) until the next full forecast (a smaller tree's
         prediction for it is clamped to the tree's whole sum).
         Not auto's default (``step.make_controller`` leaves it at 1): ``auto:full=4`` paired
         per wave against auto in the same server (small pair, 12 waves, concurrency 1 / 2 / 4
-        / 8 / 16) read 1.024 / 1.059 / 1.012 / 1.015 / 0.978 (serve_throughput_cpu_v61), and
+        / 8 / 16) read 1.024 / 1.059 / 1.012 / 1.015 / 0.978, and
         the other way round, as the default against ``auto:full=1``, 0.999 / 1.004 / 0.971 /
-        0.970 / 0.984 (v62). Without the renewed batch's full forecast it read 1.067 and 1.069
-        at concurrency 16 in two runs (v59, v60; its forecast steps' phases were no cheaper
-        there), and 0.953 and 0.981 at concurrency 1 (one request's reach carried over to the
-        next).
+        0.970 / 0.984 (see benchmarks/README.md, tuned settings). Without the renewed batch's
+        full forecast it read 1.067 and 1.069 at concurrency 16 in two runs (its forecast
+        steps' phases were no cheaper there), and 0.953 and 0.981 at concurrency 1 (one
+        request's reach carried over to the next).
     held_observe_every: the calibration learns from every this many drafted steps, forecast
         or held (:meth:`BudgetController.observe` and :meth:`~BudgetController.observe_held`;
         1: all of them; a grafted tree: from every forecast step alone), each standing for its
@@ -544,7 +543,7 @@ class BudgetController:
         forecast (:meth:`_note_reach`). At batch size 1 a reach carried over to the next
         request held one request's hard text against it (B 4 on 17% of a run's steps at
         0.90x B 16's tokens/s, small pair through SGLang).
-        Reaching one candidate above the last choice instead (until session 27) saved the
+        Reaching one candidate above the last choice instead (as auto once did) saved the
         larger trees while the choice stayed below them, but trapped it where the rate is not
         concave in N (batch size 2 on this CPU: B 4 -> 8 costs 1.4 ms, 8 -> 16 0.9 ms; auto
         held B 4 where B 16 was best); the contenders' margin and the periodic full forecast
