@@ -11,6 +11,8 @@ at exactly that batch size, after the first ``--skip`` steps of each size:
   DDTREE's verify and tree-build graphs);
 * ``reads``: blocking host reads of device data, the FutureMap host-length wait included;
 * ``uploads``: host-to-device copies (pinned, non-blocking);
+* ``stand-in ops``: ops of CPU code standing in for one GPU kernel each (KV moves, the drafter
+  context write's non-CUDA branch);
 * ``host ms``: the step's time outside model forwards and replays (instrumented);
 * ``tok/step``: tokens committed per request and step.
 
@@ -52,7 +54,7 @@ from sglang_tree_spec.server_process import (  # noqa: E402
 )
 
 CONFIGS = ("none", "dflash", "ddtree:8", "ddtree:32", "ddtree:auto", "ddtree-graft:8")
-COUNTS = ("ops", "replays", "reads", "uploads", "host_ms")
+COUNTS = ("ops", "replays", "reads", "uploads", "cpu_only_ops", "host_ms")
 
 
 def server_command(args: argparse.Namespace, config: str, port: int) -> list[str]:
@@ -135,13 +137,15 @@ def row(config: str, bs: int, steps: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| config | bs | steps | ops | replays | reads | uploads | host ms | tok/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | bs | steps | ops | replays | reads | uploads | stand-in ops | host ms "
+        "| tok/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['bs']} | {r['steps']} | {r['ops']:.1f} | {r['replays']:.2f} "
-            f"| {r['reads']:.2f} | {r['uploads']:.2f} | {r['host_ms']:.2f} "
+            f"| {r['reads']:.2f} | {r['uploads']:.2f} | {r['cpu_only_ops']:.1f} "
+            f"| {r['host_ms']:.2f} "
             f"| {r['tokens_per_step'] or 0:.2f} |"
         )
     lines += ["", "Blocking reads by site (per step):", ""]

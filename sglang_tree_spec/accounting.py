@@ -12,6 +12,8 @@ graphs and never waits for the device. A CPU runs the same code with no queue to
   ``.cpu()``, ``.numpy()``, ``nonzero``, boolean indexing, ``unique``; a relayed wait such as
   SGLang's FutureMap host lengths, :meth:`StepAccounting.wait`), by site;
 * ``uploads``: host-to-device copies of host data (:meth:`StepAccounting.upload`);
+* ``cpu_only_ops`` / ``cpu_only_reads``: ops and reads of CPU stand-ins for what a GPU runs
+  as one kernel (``cpu_only``: SGLang's non-CUDA branches, the plugin's CPU hooks);
 * ``host_ms``: the step's wall time outside model forwards, replays and this counting's own
   bookkeeping (the dispatch of each op through the counter still adds a little).
 
@@ -60,6 +62,7 @@ class StepCounts:
     reads: int = 0
     uploads: int = 0
     cpu_only_reads: int = 0
+    cpu_only_ops: int = 0
     host_ms: float = 0.0
     read_sites: collections.Counter = field(default_factory=collections.Counter)
     op_sites: collections.Counter = field(default_factory=collections.Counter)
@@ -71,6 +74,7 @@ class StepCounts:
             "reads": self.reads,
             "uploads": self.uploads,
             "cpu_only_reads": self.cpu_only_reads,
+            "cpu_only_ops": self.cpu_only_ops,
             "host_ms": round(self.host_ms, 3),
             "read_sites": dict(self.read_sites),
             "op_sites": dict(self.op_sites),
@@ -96,7 +100,7 @@ def _site(package: str, cpu_only: tuple = ()) -> tuple[str, bool]:
     frames = [
         f
         for f in traceback.extract_stack()
-        if "/torch/" not in f.filename and not f.filename.endswith("/accounting.py")
+        if "/torch/" not in f.filename and f.filename != __file__
     ]
     if not frames:
         return "?", False
@@ -105,7 +109,7 @@ def _site(package: str, cpu_only: tuple = ()) -> tuple[str, bool]:
         for f in frames
         for path, name in cpu_only
     )
-    ours = next((f for f in reversed(frames) if f"/{package}/" in f.filename), None)
+    ours = next((f for f in reversed(frames) if _ours(f, package)), None)
     inner = _short(frames[-1], package)
     if ours is None or ours is frames[-1]:
         return inner, stand_in
@@ -118,13 +122,23 @@ def _function(package: str) -> str:
     frames = [
         f
         for f in traceback.extract_stack()
-        if "/torch/" not in f.filename and not f.filename.endswith("/accounting.py")
+        if "/torch/" not in f.filename and f.filename != __file__
     ]
-    frame = next((f for f in reversed(frames) if f"/{package}/" in f.filename), None)
-    frame = frame or (frames[-1] if frames else None)
-    if frame is None:
+    if not frames:
         return "?"
-    return f"{_short(frame, package).rsplit(':', 1)[0]}:{frame.name}"
+    ours = next((f for f in reversed(frames) if _ours(f, package)), None)
+
+    def name(frame: traceback.FrameSummary) -> str:
+        return f"{_short(frame, package).rsplit(':', 1)[0]}:{frame.name}"
+
+    if ours is None or ours is frames[-1]:
+        return name(ours or frames[-1])
+    return f"{name(ours)} > {name(frames[-1])}"
+
+
+def _ours(frame: traceback.FrameSummary, package: str) -> bool:
+    """A frame of ``package``'s own code (its accounting hooks are not a site)."""
+    return f"/{package}/" in frame.filename and not frame.filename.endswith("/plugin/accounting.py")
 
 
 def _short(frame: traceback.FrameSummary, package: str) -> str:
@@ -163,8 +177,8 @@ class StepAccounting:
         self, package: str = "sglang_tree_spec", sites: bool = True, cpu_only: tuple = ()
     ) -> None:
         self.package, self.sites = package, sites
-        # (path suffix, function or None) of CPU stand-ins (code a GPU does not run): reads
-        # under them are counted apart, as ``cpu_only_reads``.
+        # (path suffix, function or None) of CPU stand-ins for GPU kernels (code a GPU does
+        # not run): their ops and reads are counted apart (``cpu_only_ops`` / ``_reads``).
         self.cpu_only = cpu_only
         self.current: StepCounts | None = None
         self._host: set[int] = set()
@@ -301,6 +315,9 @@ class StepAccounting:
         if name in READ_OPS:
             self._read(counts)
         elif not func.is_view and name not in FREE_OPS:
+            if self.cpu_only and _site(self.package, self.cpu_only)[1]:
+                counts.cpu_only_ops += 1  # (one kernel of SGLang's on a GPU)
+                return
             counts.ops += 1
             if self.sites:
                 counts.op_sites[_function(self.package)] += 1

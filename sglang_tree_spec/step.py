@@ -181,7 +181,8 @@ class Sampling:
             (temperature <= 0: greedy row).
         seeds: ``[bs]`` int64; a seeded row's coin for the token at position ``p`` is
             ``counter_uniforms(seed, p)``: the same token whatever the tree, budget or batch.
-        seeded: ``[bs]`` bool; unseeded rows draw fresh coins from the step's generator.
+        seeded: ``[bs]`` bool; unseeded rows draw fresh coins from the step's generator (on
+            the device where the generator is: the worker's is, so no coin is copied).
         all_greedy: every row greedy (no coins, no probabilities).
         all_seeded: every row seeded (host flag: no generator draw).
     """
@@ -210,7 +211,8 @@ class Sampling:
         keyed = counter_uniforms(self.seeds, prefix_lens[:, None] + depth)
         if self.all_seeded:
             return keyed
-        fresh = torch.rand(keyed.shape, generator=generator, dtype=torch.float64)
+        device = keyed.device if generator is None else generator.device  # (no host copy)
+        fresh = torch.rand(keyed.shape, generator=generator, dtype=torch.float64, device=device)
         return torch.where(self.seeded[:, None], keyed, fresh.to(keyed.device))
 
     def accept(
@@ -219,9 +221,13 @@ class Sampling:
         logits: torch.Tensor,
         prefix_lens: torch.Tensor,
         generator: torch.Generator | None,
+        graphs: TreeGraphs | None = None,
     ) -> AcceptResult:
-        """The target's own rule on ``[bs, W, V]`` verify logits (greedy, or sampled)."""
+        """The target's own rule on ``[bs, W, V]`` verify logits (greedy, or sampled); a greedy
+        tree's acceptance replayed from ``graphs`` when given."""
         if self.all_greedy:
+            if graphs is not None and tree.budget > 0:
+                return graphs.greedy_accept(tree, logits.argmax(dim=-1))
             return greedy_accept(tree, logits.argmax(dim=-1))
         return sample_accept(
             tree,
@@ -371,7 +377,8 @@ def _verify(backend, selector, sampling, tree, bonus, prefix_lens, generator, ti
     timer.mark("tree")
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
-    accept = sampling.accept(tree, logits, prefix_lens, generator)
+    graphs = getattr(selector, "graphs", None)  # the tree's graphs (DDTree on CUDA)
+    accept = sampling.accept(tree, logits, prefix_lens, generator, graphs)
     if selector is not None:  # a plain forward too: Graft's table learns the root's successors
         selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
     timer.mark("accept")

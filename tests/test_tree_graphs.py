@@ -19,7 +19,7 @@ from tree_helpers import random_marginals, small_pair
 from sglang_tree_spec.config import TreeConfig
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.step import make_selector
-from sglang_tree_spec.tree import build_ddtree
+from sglang_tree_spec.tree import build_ddtree, greedy_accept
 from sglang_tree_spec.tree.graphs import TreeGraphs
 from sglang_tree_spec.tree.select import DDTreeSelector
 
@@ -49,6 +49,27 @@ def test_replays_equal_the_eager_build_on_every_shape(mode):
             want = build_ddtree(lp, tok, budget, validate=False)
             assert_same_tree(graphs.build(lp, tok, budget), want)
     assert graphs.replays == 12 and len(graphs._shapes) == 4
+
+
+@pytest.mark.parametrize("mode", ["closure", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+def test_replayed_greedy_acceptance_equals_the_eager_one(mode):
+    """Trees from the build's static outputs and fresh ones, targets that agree with a path
+    for a while: the replayed acceptance is the eager one, field by field, every step."""
+    device = "cuda" if mode == "cuda" else "cpu"
+    graphs = TreeGraphs(mode)
+    for step in range(3):
+        for bs, budget in ((1, 4), (3, 16), (5, 16)):
+            seed = 100 * step + 10 * bs + budget
+            lp, tok = topk(bs, 7, 8, seed=seed, device=device)
+            tree = graphs.build(lp, tok, budget) if step % 2 else build_ddtree(lp, tok, budget)
+            generator = torch.Generator().manual_seed(seed)
+            target = torch.randint(0, 64, (bs, budget + 1), generator=generator).to(device)
+            follow = torch.rand(bs, budget, generator=generator).to(device) < 0.7
+            parents = tree.parent_slots()  # most nodes' token is the target's at the parent
+            target.scatter_(1, parents, torch.where(follow, tree.tokens, target.gather(1, parents)))
+            assert_same_tree(graphs.greedy_accept(tree, target), greedy_accept(tree, target))
+    assert len([key for key in graphs._shapes if key[0] == "accept"]) == 3
 
 
 def test_a_tree_lives_until_the_next_build_of_its_shape():

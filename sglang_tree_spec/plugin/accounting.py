@@ -40,11 +40,14 @@ TARGETS = (
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
     "sglang.srt.speculative.dflash_worker_v2.assign_extend_cache_locs_func",
 )
-# Code a GPU does not run: the plugin's CPU stand-ins for SGLang's kernels, and SGLang's own
-# non-CUDA branch of the drafter's context write (CUDA takes a Triton kernel).
+# Code a GPU does not run, each call one kernel there: the plugin's CPU stand-ins for SGLang's
+# kernels, SGLang's native KV move (CUDA: a Triton kernel) and the non-CUDA branch of its
+# drafter context write (CUDA: a tiled Triton kernel), and this module's DFLASH slot gather.
 CPU_ONLY_SITES = (
     ("sglang_tree_spec/plugin/cpu.py", None),
+    ("sglang/srt/mem_cache/memory_pool.py", "move_kv_cache_native"),
     ("sglang/srt/mem_cache/memory_pool.py", "set_kv_buffer_prefix_valid"),
+    ("sglang_tree_spec/plugin/accounting.py", "_extend_cache_locs_on_cpu"),
 )
 _accounting: StepAccounting | None = None
 

@@ -144,7 +144,10 @@ def _define_worker() -> type:
             self.draft_block_spec_info = make_draft_block_spec_info(
                 draft_token_num=self.block_size, device=self.device
             )
-            self._generator = torch.Generator().manual_seed(int(server_args.random_seed or 0))
+            # Unseeded rows' coins, drawn on the device (no host draw, no copy).
+            self._generator = torch.Generator(device=self.device).manual_seed(
+                int(server_args.random_seed or 0)
+            )
             self._timer = PhaseTimer.from_env(self.device, partial(logger.info, "DDTREE %s"))
             self._use_fused_kv_materialize = False
             self._fused_kv_helper = None

@@ -1,4 +1,4 @@
-"""The DDTree build replayed from CUDA graphs: one graph per (batch size, depths, K, budget).
+"""The DDTree build and greedy acceptance replayed from CUDA graphs, one graph per shape.
 
 The batched builder (:func:`~sglang_tree_spec.tree.ddtree.build_ddtree` without ``prune``) has
 fixed shapes and reads nothing back to the host at a given input shape and budget
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from sglang_tree_spec.tree.accept import AcceptResult, greedy_accept
 from sglang_tree_spec.tree.ddtree import DraftTree, build_ddtree
 
 logger = logging.getLogger(__name__)
@@ -33,17 +35,18 @@ MODES = ("cuda", "closure")
 
 @dataclasses.dataclass
 class _Shape:
-    """One captured shape: static inputs, static outputs and the graph (None: closure)."""
+    """One captured shape: static inputs, static outputs (a dataclass of tensors) and the
+    graph (None: closure, which reruns ``run`` on the static inputs)."""
 
-    topk_logprobs: torch.Tensor  # [bs, L, K]
-    topk_tokens: torch.Tensor  # [bs, L, K]
-    tree: DraftTree  # its tensors are the static outputs
+    inputs: tuple[torch.Tensor, ...]
+    output: Any
+    run: Callable[..., Any]
     graph: Any = None
 
 
 class TreeGraphs:
-    """DDTree builds of fixed shapes, replayed (``mode``: ``"cuda"`` graphs, or ``"closure"``
-    on any device with the same static-buffer semantics)."""
+    """DDTree builds and greedy acceptances of fixed shapes, replayed (``mode``: ``"cuda"``
+    graphs, or ``"closure"`` on any device with the same static-buffer semantics)."""
 
     def __init__(self, mode: str) -> None:
         if mode not in MODES:
@@ -57,50 +60,72 @@ class TreeGraphs:
         self, topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int
     ) -> DraftTree:
         """The DDTree of ``budget`` nodes of ``[bs, L, K]`` top-K, in the shape's static outputs."""
+        key = ("build", *topk_logprobs.shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
+
+        def run(lp: torch.Tensor, tok: torch.Tensor) -> DraftTree:
+            return _build(lp, tok, budget)
+
+        return self._replayed(key, run, (topk_logprobs, topk_tokens))
+
+    def greedy_accept(self, tree: DraftTree, target_argmax: torch.Tensor) -> AcceptResult:
+        """:func:`~sglang_tree_spec.tree.accept.greedy_accept` of a ``[bs, B]`` tree and the
+        target's ``[bs, B + 1]`` argmax, in the shape's static outputs: its ~40 small ops one
+        replay, after the copies of the tree and the argmax into the static inputs."""
+        key = ("accept", *tree.tokens.shape, tree.max_depth, target_argmax.dtype)
+        depth = tree.max_depth
+
+        def run(tokens, parents, depths, logprobs, valid, argmax) -> AcceptResult:
+            return greedy_accept(DraftTree(tokens, parents, depths, logprobs, valid, depth), argmax)
+
+        fields = (tree.tokens, tree.parents, tree.depths, tree.logprobs, tree.valid)
+        return self._replayed(key, run, (*fields, target_argmax))
+
+    def _replayed(self, key: tuple, run: Callable[..., Any], inputs: tuple) -> Any:
+        """``run(*inputs)`` replayed from the shape ``key``'s graph, captured on first use."""
         if self.failed is not None:
-            return _build(topk_logprobs, topk_tokens, budget)
-        key = (*topk_logprobs.shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
+            return run(*inputs)
         shape = self._shapes.get(key)
         if shape is None:
             try:
-                shape = self._capture(topk_logprobs, topk_tokens, budget)
+                shape = self._capture(run, inputs)
             except Exception as error:  # a server keeps serving: eager builds are as exact
                 self.failed = f"{type(error).__name__}: {error}"
-                logger.warning("DDTREE tree builds: graph capture failed (%s); eager builds "
+                logger.warning("DDTREE tree graphs: graph capture failed (%s); eager "
                                "from now on", self.failed)  # fmt: skip
-                return _build(topk_logprobs, topk_tokens, budget)
+                return run(*inputs)
             self._shapes[key] = shape
-        shape.topk_logprobs.copy_(topk_logprobs)
-        shape.topk_tokens.copy_(topk_tokens)
-        self.replay_shape(shape, budget)
+        for static, value in zip(shape.inputs, inputs, strict=True):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+        self.replay_shape(shape)
         self.replays += 1
-        return shape.tree
+        return shape.output
 
-    def replay_shape(self, shape: _Shape, budget: int) -> None:
+    def replay_shape(self, shape: _Shape) -> None:
         """One replay of a captured shape over its static inputs (one launch on CUDA)."""
         if shape.graph is not None:
             shape.graph.replay()
             return
-        fresh = _build(shape.topk_logprobs, shape.topk_tokens, budget)
-        for field in dataclasses.fields(DraftTree):
+        fresh = shape.run(*shape.inputs)
+        for field in dataclasses.fields(fresh):
             value = getattr(fresh, field.name)
             if isinstance(value, torch.Tensor):
-                getattr(shape.tree, field.name).copy_(value)
+                getattr(shape.output, field.name).copy_(value)
 
-    def _capture(self, topk_logprobs, topk_tokens, budget) -> _Shape:
-        static_lp, static_tok = topk_logprobs.clone(), topk_tokens.clone()
+    def _capture(self, run: Callable[..., Any], inputs: tuple) -> _Shape:
+        static = tuple(value.clone() for value in inputs)
         if self.mode == "closure":
-            return _Shape(static_lp, static_tok, _build(static_lp, static_tok, budget))
+            return _Shape(static, run(*static), run)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: the builder's cached tables, lazy inits
-            _build(static_lp, static_tok, budget)
+            run(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of the server's other threads must not void the capture
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            tree = _build(static_lp, static_tok, budget)
-        return _Shape(static_lp, static_tok, tree, graph)
+            output = run(*static)
+        return _Shape(static, output, run, graph)
 
 
 def _build(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int) -> DraftTree:
