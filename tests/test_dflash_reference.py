@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 
 try:
     import dflash.model as reference_model
-    from dflash.model import DFlashDraftModel, dflash_generate
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 except ImportError as error:  # pragma: no cover - depends on the environment
     pytest.skip(
         f"the DFlash reference package is not importable ({error}); install it with "
@@ -36,9 +36,11 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from sglang_tree_spec.demo import PACKAGED_DRAFTER_DIR
 from sglang_tree_spec.drafters import DFlashDrafter
+from sglang_tree_spec.drafters.dflash import DrafterConfigError
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin.validation import DDTreeConfigError, load_drafter
 
 VOCAB = 48
 BLOCK = 6
@@ -300,3 +302,30 @@ def test_shipped_smollm2_drafter_loads_in_the_reference(reference):
         cache.append(features)
         got = cache.draft_hidden(block, embed)
     torch.testing.assert_close(got, expected)
+
+
+def test_dflash2_checkpoint_is_refused_in_one_line(tmp_path):
+    """A random-weight DFlash2 drafter saved by the reference's ``DFlash2DraftModel`` (grouped
+    dynamic convolutions, candidate selector) is refused by the engine and at server start-up,
+    in one line naming the field, until DFlash2 is implemented."""
+    config = reference_drafter({}).config
+    config.architectures = ["DFlash2DraftModel"]
+    config.dflash_config = {
+        **config.dflash_config,
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 4,
+        "selector_top_k": 3,
+    }
+    DFlash2DraftModel(config).save_pretrained(tmp_path)
+    with pytest.raises(DrafterConfigError) as error:
+        DFlashDrafter.from_pretrained(tmp_path)
+    assert str(error.value).startswith("DDTREE: DFlash drafter architectures=['DFlash2DraftModel']")
+    assert "\n" not in str(error.value)
+    with pytest.raises(DDTreeConfigError) as error:
+        load_drafter(str(tmp_path))
+    assert str(error.value) == (
+        f"DDTREE: --speculative-draft-model-path {tmp_path}: DFlash drafter "
+        "architectures=['DFlash2DraftModel'] is not supported (only DFlashDraftModel, DFlash v1; "
+        "DFlash2 drafters are not implemented)"
+    )

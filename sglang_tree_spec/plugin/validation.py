@@ -363,7 +363,7 @@ def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
     """
     raw = read_drafter_config(path, revision)
     architectures = raw.get("architectures") or []
-    if ARCHITECTURE not in architectures:
+    if not any("DFlash" in name for name in architectures):  # other DFlash kinds: named below
         raise DDTreeConfigError(
             f"--speculative-draft-model-path {path} is not a DFlash drafter "
             f"(architectures={architectures}, expected {ARCHITECTURE})"
