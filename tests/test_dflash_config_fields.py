@@ -169,6 +169,7 @@ REFUSED = [
         "layer_types",
     ),
     ({"is_causal": True}, None, "is_causal"),
+    ({"hidden_act": "swigluoai"}, None, "hidden_act"),
     ({"partial_rotary_factor": 0.5}, None, "partial_rotary_factor"),
     (
         {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},

@@ -69,6 +69,22 @@ def test_neutral_fields_are_served(nested, release, tmp_path):
     check_served_drafter_fields(load_drafter(saved_drafter(tmp_path, nested)), release)
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_activation_sglang_lacks_is_refused(release, tmp_path):
+    """The engine's drafter runs any transformers activation (as the reference does); SGLang's
+    DFlash drafter raises on all but silu."""
+    drafter = DFlashDrafter.random_init(target_config(), 1, block_size=4, target_layer_ids=[0])
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(DDTreeConfigError) as error:
+        check_served_drafter_fields(load_drafter(str(tmp_path)), release)
+    assert str(error.value) == (
+        f"DDTREE: the drafter's hidden_act='gelu' is not supported by SGLang {release}'s DFlash "
+        "drafter (silu only)"
+    )
+
+
 def test_unsupported_field_is_refused_at_start_up_in_one_line(tmp_path):
     path = saved_drafter(tmp_path, {"conv_kernel_size": 4})
     with pytest.raises(DDTreeConfigError) as error:

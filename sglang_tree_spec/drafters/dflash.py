@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -230,6 +231,12 @@ def _validate_draft_config(config: PretrainedConfig) -> None:
         raise DrafterConfigError(
             "DFlash drafter is_causal=true is not supported (causal draft layers are not "
             "implemented)"
+        )
+    hidden_act = getattr(config, "hidden_act", "silu")
+    if hidden_act not in ACT2FN:
+        raise DrafterConfigError(
+            f"DFlash drafter hidden_act={hidden_act!r} is not supported (not a transformers "
+            "activation)"
         )
     rope = dict(getattr(config, "rope_parameters", None) or {})
     for where, factor in (

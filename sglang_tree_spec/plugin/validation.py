@@ -266,10 +266,17 @@ SERVED_DRAFTER_FIELDS: dict[str, tuple[str, ...]] = {"0.5.17": (), "0.5.23": ()}
 
 
 def check_served_drafter_fields(drafter: DFlashDrafter, release: str) -> None:
-    """Refuse a drafter that sets an output field to a value that changes its drafts
+    """Refuse a drafter activation SGLang's DFlash model lacks, and a drafter that sets an
+    output field to a value that changes its drafts
     (:func:`~sglang_tree_spec.drafters.dflash.non_neutral_fields`) when a DDTREE server on SGLang
     ``release`` (a table release of :mod:`compat`) would ignore it: the served tree would be
     built from other marginals than the drafter's (still exact, silently slower)."""
+    hidden_act = getattr(drafter.config, "hidden_act", "silu")
+    if hidden_act != "silu":  # both releases' DFlashMLP raise on it (0.5.23 adds swigluoai)
+        raise DDTreeConfigError(
+            f"the drafter's hidden_act={hidden_act!r} is not supported by SGLang {release}'s "
+            "DFlash drafter (silu only)"
+        )
     honoured = SERVED_DRAFTER_FIELDS.get(release, ())
     for name, value in non_neutral_fields(drafter.config).items():
         if name not in honoured:
