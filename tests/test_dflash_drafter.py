@@ -190,7 +190,7 @@ def test_from_pretrained_rejects_mismatched_weights(drafter, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"layer_types": ["sliding_attention", "full_attention"]}, "full-attention"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
         ({"dflash_config": {"target_layer_ids": [1], "conv_kernel_size": 2}}, "conv_kernel"),
         ({"dflash_config": {"target_layer_ids": [1], "projector_type": "domino"}}, "domino"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),

@@ -3,6 +3,7 @@
 from sglang_tree_spec.drafters.dflash import (
     DFlashContextCache,
     DFlashDrafter,
+    DrafterConfigError,
     build_target_layer_ids,
     pad_features,
     select_target_features,
@@ -11,6 +12,7 @@ from sglang_tree_spec.drafters.dflash import (
 __all__ = [
     "DFlashContextCache",
     "DFlashDrafter",
+    "DrafterConfigError",
     "build_target_layer_ids",
     "pad_features",
     "select_target_features",

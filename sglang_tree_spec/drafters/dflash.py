@@ -22,6 +22,22 @@ Checkpoint layout (``config.json`` + ``model.safetensors``): a Qwen3 config with
 ``block_size`` and ``num_target_layers``, and ``dflash_config = {"target_layer_ids": [...],
 "mask_token_id": int}``; weights ``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.*``
 (Qwen3 decoder layer names) and ``norm.weight``; no embedding and no LM head.
+
+Optional ``dflash_config`` fields, with the semantics of the DFlash authors' reference
+(``dflash`` 0.1.0, ``DFlashDraftModel``; each read from ``dflash_config`` first, then the
+config's top level, as the reference does):
+
+* ``input_embedding_scale`` (default 1.0): the block's embeddings are the target embedding
+  matrix's rows (a plain lookup of its weight, never a scaling embedding module's forward) times
+  this factor.
+* ``output_multiplier`` (default 1.0): the draft logits ``lm_head(hidden)`` are multiplied by it.
+* ``final_logit_softcapping`` (default none): when set and positive, the (multiplied) logits
+  become ``tanh(logits / cap) * cap``.
+
+Anything else that would change the drafter's computation and that it does not implement
+(DFlash2 and other architectures, sliding-window or causal draft layers, partial rotary,
+length-dependent RoPE, unknown ``dflash_config`` keys) is refused when the drafter is built, with
+a one-line :class:`DrafterConfigError` (``DDTREE: ...``) naming the field.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -64,15 +81,23 @@ _CONFIG_NOISE_KEYS = (
     "problem_type",
     "return_dict",
 )
-# dflash_config fields of DFlash variants (DFlash2 convolutions / candidate selector, MiMo
-# attention sinks / value scaling) whose semantics this implementation does not reproduce.
-_UNSUPPORTED_DFLASH_FIELDS = (
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "attention_sink_bias",
-    "attention_value_scale",
-)
+# dflash_config fields this drafter reads for its layout.
+LAYOUT_FIELDS = ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers")
+# dflash_config fields of the reference's DFlashDraftModel that change the drafter's output, with
+# their neutral values (the computation without them). final_logit_softcapping is neutral when
+# unset or not positive.
+COMPUTE_FIELDS: dict[str, float | None] = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+# dflash_config fields that change nothing here: SGLang's mask token string (it adds the token
+# to the tokenizer only when mask_token_id is absent, which the drafter refuses).
+METADATA_FIELDS = ("mask_token",)
+# dflash_config fields of DFlash2 (grouped dynamic causal convolutions, candidate selector).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Accepted only at these values: other DFlash implementations' switches.
+NEUTRAL_ONLY_FIELDS: dict[str, Any] = {"causal": False, "projector_type": "dflash"}
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
@@ -134,36 +159,121 @@ def _resolve_target_layer_ids(config: PretrainedConfig) -> list[int]:
     if ids is None:
         num_target_layers = _dflash_value(config, "num_target_layers")
         if num_target_layers is None:
-            raise ValueError(
-                "DFlash config needs dflash_config.target_layer_ids or num_target_layers"
+            raise DrafterConfigError(
+                "DFlash drafter config needs dflash_config.target_layer_ids or num_target_layers"
             )
         return build_target_layer_ids(int(num_target_layers), config.num_hidden_layers)
     ids = [int(i) for i in ids]
     if not ids:
-        raise ValueError("dflash_config.target_layer_ids must not be empty")
+        raise DrafterConfigError("DFlash drafter dflash_config.target_layer_ids must not be empty")
     return ids
 
 
+class DrafterConfigError(ValueError):
+    """A drafter config this implementation refuses: one line ``DDTREE: <detail>`` that names
+    the field (``detail`` without the prefix)."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = " ".join(str(detail).split())  # one line
+        super().__init__(f"DDTREE: {self.detail}")
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` of field ``name`` as a finite float (bools and strings refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise DrafterConfigError(f"DFlash drafter field {name}={value!r} must be a finite number")
+    if abs(float(value)) == float("inf"):
+        raise DrafterConfigError(f"DFlash drafter field {name}={value!r} must be a finite number")
+    return float(value)
+
+
+def compute_fields(config: PretrainedConfig) -> dict[str, float | None]:
+    """The drafter's ``input_embedding_scale``, ``output_multiplier`` and
+    ``final_logit_softcapping`` (None when unset or not positive: no capping), read as the
+    reference reads them (``dflash_config`` first, then the top level)."""
+    scale = _number("input_embedding_scale", _dflash_value(config, "input_embedding_scale", 1.0))
+    multiplier = _number("output_multiplier", _dflash_value(config, "output_multiplier", 1.0))
+    cap = _dflash_value(config, "final_logit_softcapping")
+    cap = None if cap is None else _number("final_logit_softcapping", cap)
+    return {
+        "input_embedding_scale": scale,
+        "output_multiplier": multiplier,
+        "final_logit_softcapping": cap if cap is not None and cap > 0 else None,
+    }
+
+
+def non_neutral_fields(config: PretrainedConfig) -> dict[str, float]:
+    """The :data:`COMPUTE_FIELDS` a config sets to a value that changes the drafter's output."""
+    return {
+        name: value
+        for name, value in compute_fields(config).items()
+        if value != COMPUTE_FIELDS[name]
+    }
+
+
 def _validate_draft_config(config: PretrainedConfig) -> None:
-    """Refuse DFlash variants whose semantics this implementation does not reproduce."""
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"only full-attention DFlash draft layers are supported, got layer_types={layer_types}"
+    """Refuse what this implementation does not reproduce, one field per line
+    (:class:`DrafterConfigError`)."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures and architectures != [ARCHITECTURE]:
+        raise DrafterConfigError(
+            f"DFlash drafter architectures={architectures} is not supported (only {ARCHITECTURE}, "
+            "DFlash v1; DFlash2 drafters are not implemented)"
+        )
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    bad_types = sorted({t for t in layer_types if t != "full_attention"})
+    if bad_types:
+        raise DrafterConfigError(
+            f"DFlash drafter layer_types {bad_types} are not supported (full_attention layers "
+            "only; sliding-window draft layers are not implemented)"
         )
     if getattr(config, "is_causal", None):
-        raise ValueError("causal DFlash draft layers (is_causal=true) are not supported")
-    if float(getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
+        raise DrafterConfigError(
+            "DFlash drafter is_causal=true is not supported (causal draft layers are not "
+            "implemented)"
+        )
+    hidden_act = getattr(config, "hidden_act", "silu")
+    if hidden_act not in ACT2FN:
+        raise DrafterConfigError(
+            f"DFlash drafter hidden_act={hidden_act!r} is not supported (not a transformers "
+            "activation)"
+        )
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    for where, factor in (
+        ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
+        ("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor")),
+    ):
+        if factor is not None and float(factor) != 1.0:
+            raise DrafterConfigError(
+                f"DFlash drafter {where}={factor} is not supported (partial rotary embeddings)"
+            )
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise DrafterConfigError(
+            f"DFlash drafter rope_parameters.rope_type={rope_type!r} is not supported "
+            "(length-dependent RoPE)"
+        )
     nested = getattr(config, "dflash_config", None) or {}
-    unsupported = [k for k in _UNSUPPORTED_DFLASH_FIELDS if nested.get(k)]
-    if nested.get("projector_type", "dflash") != "dflash":
-        unsupported.append(f"projector_type={nested['projector_type']}")
-    if unsupported:
-        raise ValueError(f"DFlash variant fields {unsupported} are not supported (DFlash v1 only)")
+    if not isinstance(nested, Mapping):
+        raise DrafterConfigError(f"DFlash drafter dflash_config must be a mapping, got {nested!r}")
+    for key, value in nested.items():
+        if key in LAYOUT_FIELDS or key in COMPUTE_FIELDS or key in METADATA_FIELDS:
+            continue
+        if key in DFLASH2_FIELDS:
+            raise DrafterConfigError(
+                f"DFlash drafter dflash_config.{key} is not supported (a DFlash2 field; DFlash2 "
+                "drafters are not implemented)"
+            )
+        if key in NEUTRAL_ONLY_FIELDS and value == NEUTRAL_ONLY_FIELDS[key]:
+            continue
+        raise DrafterConfigError(
+            f"DFlash drafter dflash_config.{key}={value!r} is not supported (a field this DFlash "
+            "implementation does not read)"
+        )
+    compute_fields(config)  # refuses non-numeric values
     block_size = int(_dflash_value(config, "block_size", DEFAULT_BLOCK_SIZE))
     if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+        raise DrafterConfigError(f"DFlash drafter block_size must be >= 2, got {block_size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,9 +308,7 @@ def _rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     Position-independent RoPE types only (default, linear, llama3, yarn, ...); kept out of the
     module's buffers so that casting the drafter to bf16 never degrades them.
     """
-    rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"length-dependent RoPE type {rope_type!r} is not supported")
+    rope_type = config.rope_parameters.get("rope_type", "default")  # not dynamic / longrope
     if rope_type == "default":
         init = Qwen3RotaryEmbedding.compute_default_rope_parameters
     else:
@@ -317,6 +425,10 @@ class DFlashDrafter(nn.Module):
         )
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self._inv_freq, self._rope_attention_scaling = _rope_inv_freq(config)
+        fields = compute_fields(config)
+        self.input_embedding_scale = float(fields["input_embedding_scale"])
+        self.output_multiplier = float(fields["output_multiplier"])
+        self.final_logit_softcapping = fields["final_logit_softcapping"]
 
     # -- construction / persistence --------------------------------------------------------
 
@@ -508,15 +620,37 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Draft hidden states (after the final norm) ``[bs, Q, H]``.
 
-        ``block_embeds [bs, Q, H]``: target embeddings of the block tokens; ``positions
+        ``block_embeds [bs, Q, H]``: target embeddings of the block tokens (rows of the
+        embedding matrix; this forward multiplies them by ``input_embedding_scale``); ``positions
         [bs, Q]``: their absolute positions; ``context_kv``: one ``[bs, kv, T, D]`` pair per
         layer; ``attn_mask [bs, Q, T + Q]`` bool, True where a query may attend.
         """
         cos, sin = self.rope(positions)
-        x = block_embeds.to(self.fc.weight.dtype)
+        x = block_embeds
+        if self.input_embedding_scale != 1.0:  # in the embeddings' dtype, as the reference
+            x = x * self.input_embedding_scale
+        x = x.to(self.fc.weight.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
             x = layer(x, cos, sin, kv, attn_mask)
         return self.norm(x)
+
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits from the LM head's ``logits`` (any shape, any vocabulary subset: the
+        map is elementwise): times ``output_multiplier``, then ``tanh(x / cap) * cap`` when
+        ``final_logit_softcapping`` is set, in the logits' dtype (the reference's order)."""
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def embed_block(self, block_token_ids: torch.Tensor, embed: nn.Module) -> torch.Tensor:
+        """The block's embeddings: rows of the target embedding module's ``weight`` (a plain
+        lookup, as the reference does; a module that scales its output, e.g. Gemma's, is not
+        called). :meth:`forward` applies ``input_embedding_scale``."""
+        weight = embed.weight
+        return F.embedding(block_token_ids.to(weight.device), weight)
 
     def new_cache(self, batch_size: int) -> DFlashContextCache:
         """An empty context cache for ``batch_size`` requests."""
@@ -655,7 +789,7 @@ class DFlashContextCache:
         q_len = block_token_ids.shape[1]
         positions = self.lengths[:, None] + torch.arange(q_len, device=self.lengths.device)
         context_kv = list(zip(self.keys, self.values, strict=True))
-        block_embeds = embed(block_token_ids.to(self.lengths.device))
+        block_embeds = self.drafter.embed_block(block_token_ids.to(self.lengths.device), embed)
         return self.drafter(block_embeds, positions, context_kv, self.attention_mask(q_len))
 
     @torch.no_grad()
@@ -668,10 +802,11 @@ class DFlashContextCache:
     ) -> torch.Tensor:
         """Marginal logits ``[bs, D, V]`` of block slots ``1 .. D`` (``D = Q - 1``, or at most
         ``depths``: the whole block runs, the LM head skips the later slots): row ``j`` scores
-        the token at absolute position ``lengths[i] + j + 1`` (slot 0, the anchor, dropped)."""
+        the token at absolute position ``lengths[i] + j + 1`` (slot 0, the anchor, dropped),
+        after the drafter's :meth:`DFlashDrafter.output_logits`."""
         end = None if depths is None else depths + 1
         hidden = self.draft_hidden(block_token_ids, embed)[:, 1:end]
-        return lm_head(hidden.to(_module_dtype(lm_head)))
+        return self.drafter.output_logits(lm_head(hidden.to(_module_dtype(lm_head))))
 
     def draft_topk(
         self, block_token_ids: torch.Tensor, embed: nn.Module, lm_head: nn.Module, k: int

@@ -56,7 +56,8 @@ class TransformersBackend:
             return topk_from_logits(logits, k)
         weight, ids = self.draft_vocab.weight, self.draft_vocab.token_ids  # [S, H], [S]
         hidden = self.draft_cache.draft_hidden(blocks, embed)[:, 1 : depths + 1]  # [bs, D, H]
-        return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k, ids)
+        logits = self.drafter.output_logits(torch.matmul(hidden.to(weight.dtype), weight.T))
+        return topk_from_logits(logits, k, ids)
 
     def verify(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
         self._past_len = self.cache.layers[0].keys.shape[2]

@@ -22,7 +22,13 @@ import torch
 from transformers import PretrainedConfig, Qwen3Config
 
 from sglang_tree_spec.config import GRAFT_POLICIES, TreeConfig
-from sglang_tree_spec.drafters.dflash import ARCHITECTURE, CONFIG_NAME, DFlashDrafter
+from sglang_tree_spec.drafters.dflash import (
+    ARCHITECTURE,
+    CONFIG_NAME,
+    DFlashDrafter,
+    DrafterConfigError,
+    non_neutral_fields,
+)
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.cpu import triton_interpreted
 
@@ -85,6 +91,7 @@ def validate_server_args(server_args: Any) -> None:
     drafter = load_drafter(
         server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
     )
+    check_served_drafter_fields(drafter, compat.release())
     check_drafter_matches_target(drafter, compat.model_config(server_args).hf_config)
     check_block_size(drafter, server_args.speculative_dflash_block_size)
     check_window_covers_block(server_args.speculative_num_draft_tokens, drafter.block_size)
@@ -244,6 +251,42 @@ def check_drafter_matches_target(drafter: DFlashDrafter, target_config: Pretrain
         )
 
 
+# The drafter's output fields (drafters/dflash.py COMPUTE_FIELDS: input_embedding_scale,
+# output_multiplier, final_logit_softcapping) that a DDTREE server honours, per SGLang release.
+# The served draft is SGLang's own DFlashDraftModel (sglang/srt/models/dflash.py) for the hidden
+# states, fed the target's embedding module's output, and the plugin's top-K over the target's
+# LM head weight (plugin/backend.py draft_topk). Neither SGLang release applies any of the three
+# to a DFlash v1 drafter: 0.5.17 reads none of them; 0.5.23 parses output_multiplier and
+# final_logit_softcapping (speculative/dflash_utils.py parse_dflash_draft_config) but applies
+# them only to DFlash2's candidate-selector logits (DFlash2DraftModel._transform_unary_logits),
+# and reads no input_embedding_scale; plugin/backend.py applies none. A field is added here once
+# the served path applies it with the reference's semantics (DFlashDrafter.output_logits and
+# DFlashDrafter.forward).
+SERVED_DRAFTER_FIELDS: dict[str, tuple[str, ...]] = {"0.5.17": (), "0.5.23": ()}
+
+
+def check_served_drafter_fields(drafter: DFlashDrafter, release: str) -> None:
+    """Refuse a drafter activation SGLang's DFlash model lacks, and a drafter that sets an
+    output field to a value that changes its drafts
+    (:func:`~sglang_tree_spec.drafters.dflash.non_neutral_fields`) when a DDTREE server on SGLang
+    ``release`` (a table release of :mod:`compat`) would ignore it: the served tree would be
+    built from other marginals than the drafter's (still exact, silently slower)."""
+    hidden_act = getattr(drafter.config, "hidden_act", "silu")
+    if hidden_act != "silu":  # both releases' DFlashMLP raise on it (0.5.23 adds swigluoai)
+        raise DDTreeConfigError(
+            f"the drafter's hidden_act={hidden_act!r} is not supported by SGLang {release}'s "
+            "DFlash drafter (silu only)"
+        )
+    honoured = SERVED_DRAFTER_FIELDS.get(release, ())
+    for name, value in non_neutral_fields(drafter.config).items():
+        if name not in honoured:
+            raise DDTreeConfigError(
+                f"the drafter sets dflash_config.{name}={value}, which a DDTREE server on SGLang "
+                f"{release} ignores (its drafts would not be the drafter's; the reference engine "
+                "honours it)"
+            )
+
+
 def check_block_size(drafter: DFlashDrafter, requested: int | None) -> None:
     """``--speculative-dflash-block-size``, if given, must equal the drafter's block size."""
     if requested is not None and int(requested) != drafter.block_size:
@@ -327,7 +370,7 @@ def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
     """
     raw = read_drafter_config(path, revision)
     architectures = raw.get("architectures") or []
-    if ARCHITECTURE not in architectures:
+    if not any("DFlash" in name for name in architectures):  # other DFlash kinds: named below
         raise DDTreeConfigError(
             f"--speculative-draft-model-path {path} is not a DFlash drafter "
             f"(architectures={architectures}, expected {ARCHITECTURE})"
@@ -335,8 +378,11 @@ def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
     try:
         with torch.device("meta"):
             return DFlashDrafter(Qwen3Config.from_dict(raw))
+    except DrafterConfigError as exc:
+        raise DDTreeConfigError(f"--speculative-draft-model-path {path}: {exc.detail}") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise DDTreeConfigError(f"unsupported DFlash drafter {path}: {exc}") from None
+        reason = " ".join(str(exc).split())
+        raise DDTreeConfigError(f"unsupported DFlash drafter {path}: {reason}") from None
 
 
 def read_drafter_config(path: str, revision: str | None = None) -> dict[str, Any]:
