@@ -44,6 +44,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 echo "setup-dev: installing sglang-tree-spec[dev] into $venv (first run downloads torch, a few minutes)"
 "${pip[@]}" -e '.[dev]' -c "$requirements"
+# The DFlash authors' reference, the drafter tests' oracle: --no-deps, its pins (tqdm, datasets)
+# conflict with the release's list and it needs nothing the venv lacks.
+"${pip[@]}" --no-deps dflash==0.1.0
 
 want="sglang==$sglang_version $(sha256sum "$requirements" | cut -c1-16)"
 have_sglang=$("$venv/bin/python" -c \

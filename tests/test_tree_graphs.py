@@ -69,7 +69,28 @@ def test_replayed_greedy_acceptance_equals_the_eager_one(mode):
             parents = tree.parent_slots()  # most nodes' token is the target's at the parent
             target.scatter_(1, parents, torch.where(follow, tree.tokens, target.gather(1, parents)))
             assert_same_tree(graphs.greedy_accept(tree, target), greedy_accept(tree, target))
-    assert len([key for key in graphs._shapes if key[0] == "accept"]) == 3
+    assert len([key for key in graphs._shapes if key[1] == "accept"]) == 3
+
+
+def test_shapes_captured_at_start_up_serve_every_padded_batch_size():
+    """Captured up front at the verify graphs' batch sizes: steps at the sizes between them
+    pad up, capture nothing more, and build and accept what the eager code does."""
+    graphs = TreeGraphs("closure", batch_sizes=[1, 4, 8])
+    shapes = graphs.capture_all((0, 4, 8, 16), depths=7, topk=8, device="cpu")
+    assert shapes == 3 * (
+        3 + 4
+    )  # per size: 3 builds; acceptances of (4, 4), (4, 7), (8, 7), (16, 7)
+    captured = graphs.captures
+    for bs, budget in ((3, 8), (5, 16), (1, 4), (7, 4)):
+        lp, tok = topk(bs, min(7, budget), min(8, budget), seed=bs * budget)
+        tree = graphs.build(lp, tok, budget)
+        assert_same_tree(tree, build_ddtree(lp, tok, budget, validate=False))
+        target = torch.randint(0, 64, (bs, budget + 1), generator=torch.Generator().manual_seed(bs))
+        target[:, 0] = tree.tokens[:, 0]  # the first child matches
+        assert_same_tree(graphs.greedy_accept(tree, target), greedy_accept(tree, target))
+    assert graphs.captures == captured
+    graphs.build(*topk(9, 7, 8, seed=0), 8)  # past the largest size: its own shape
+    assert graphs.captures == captured + 1
 
 
 def test_a_tree_lives_until_the_next_build_of_its_shape():

@@ -345,6 +345,28 @@ def _define_worker() -> type:
             # runner replays its captured closures.
             if self.device == "cpu" and cpu_verify_graphs_requested():
                 self.verify_graphs = DDTreeVerifyGraphs(self.target_worker.model_runner)
+            self._capture_tree_graphs()
+
+        def _capture_tree_graphs(self) -> None:
+            """The tree builds and greedy acceptances of every budget, captured now at the
+            verify graphs' batch sizes (padded to them as the verify is), not while serving
+            (each capture waits for the device)."""
+            tree_graphs = getattr(self.selector, "graphs", None)
+            runner = self.verify_graphs or getattr(
+                self.target_worker.model_runner, "decode_cuda_graph_runner", None
+            )
+            batch_sizes = getattr(runner, "capture_bs", None)
+            if tree_graphs is None or not batch_sizes:
+                return
+            tree_graphs.set_batch_sizes(batch_sizes)
+            with torch.inference_mode():
+                shapes = tree_graphs.capture_all(
+                    self.config.budgets, self.block_size - 1, self.selector.topk, self.device
+                )
+            logger.info(
+                "DDTREE tree graphs: %d shapes captured at start-up (batch sizes %s)",
+                shapes, tree_graphs.batch_sizes,
+            )  # fmt: skip
 
         def forward_batch_generation(
             self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, **kwargs: Any

@@ -48,19 +48,53 @@ class TreeGraphs:
     """DDTree builds and greedy acceptances of fixed shapes, replayed (``mode``: ``"cuda"``
     graphs, or ``"closure"`` on any device with the same static-buffer semantics)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, batch_sizes: list[int] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"TreeGraphs: mode {mode!r} is not one of {MODES}")
         self.mode = mode
         self._shapes: dict[tuple, _Shape] = {}
         self.replays = 0
+        self.captures = 0
         self.failed: str | None = None  # a capture failed: every build is eager from then on
+        self.batch_sizes: list[int] = []  # the padded batch sizes (set_batch_sizes)
+        if batch_sizes:
+            self.set_batch_sizes(batch_sizes)
+
+    def set_batch_sizes(self, batch_sizes: list[int]) -> None:
+        """Pad every batch up to the next of ``batch_sizes`` (SGLang's capture sizes: the
+        verify graph pads to them too); a larger batch keeps its own size."""
+        self.batch_sizes = sorted(set(int(size) for size in batch_sizes))
+
+    def padded(self, bs: int) -> int:
+        return next((size for size in self.batch_sizes if size >= bs), bs)
+
+    def capture_all(
+        self, budgets: tuple[int, ...], depths: int, topk: int, device: torch.device | str
+    ) -> int:
+        """Capture at start-up every shape a decode step can ask for at the padded batch
+        sizes: the build of each budget ``b`` (``min(depths, b)`` drafted depths, top
+        ``min(topk, b)``) and the greedy acceptance of a ``b``-node tree cut from any tree at
+        least as wide (auto's forecast). Returns the shapes captured."""
+        before = len(self._shapes)
+        drafted = sorted(b for b in budgets if b > 0)
+        for bs in self.batch_sizes:
+            for budget in drafted:
+                d, k = min(depths, budget), min(topk, budget)
+                scores = -torch.arange(k, dtype=torch.float32, device=device).expand(bs, d, k)
+                ids = torch.arange(k, dtype=torch.long, device=device).expand(bs, d, k)
+                tree = self.build(scores.contiguous(), ids.contiguous(), budget)
+                argmax = torch.zeros(bs, budget + 1, dtype=torch.long, device=device)
+                for width in (w for w in drafted if w >= budget):
+                    wide = dataclasses.replace(tree, max_depth=min(depths, width))
+                    self.greedy_accept(wide, argmax)
+        return len(self._shapes) - before
 
     def build(
         self, topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int
     ) -> DraftTree:
         """The DDTree of ``budget`` nodes of ``[bs, L, K]`` top-K, in the shape's static outputs."""
-        key = ("build", *topk_logprobs.shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
+        shape = topk_logprobs.shape[1:]  # (the batch size is padded: _replayed)
+        key = ("build", *shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
 
         def run(lp: torch.Tensor, tok: torch.Tensor) -> DraftTree:
             return _build(lp, tok, budget)
@@ -71,7 +105,7 @@ class TreeGraphs:
         """:func:`~sglang_tree_spec.tree.accept.greedy_accept` of a ``[bs, B]`` tree and the
         target's ``[bs, B + 1]`` argmax, in the shape's static outputs: its ~40 small ops one
         replay, after the copies of the tree and the argmax into the static inputs."""
-        key = ("accept", *tree.tokens.shape, tree.max_depth, target_argmax.dtype)
+        key = ("accept", tree.budget, tree.max_depth, tree.logprobs.dtype, target_argmax.dtype)
         depth = tree.max_depth
 
         def run(tokens, parents, depths, logprobs, valid, argmax) -> AcceptResult:
@@ -81,25 +115,33 @@ class TreeGraphs:
         return self._replayed(key, run, (*fields, target_argmax))
 
     def _replayed(self, key: tuple, run: Callable[..., Any], inputs: tuple) -> Any:
-        """``run(*inputs)`` replayed from the shape ``key``'s graph, captured on first use."""
+        """``run(*inputs)`` replayed from the graph of shape ``key`` at the padded batch size
+        (rows are independent: a padded row computes on whatever its static input holds),
+        captured on first use; the output's rows of the batch."""
         if self.failed is not None:
             return run(*inputs)
+        bs = inputs[0].shape[0]
+        padded = self.padded(bs)
+        key = (padded, *key)
         shape = self._shapes.get(key)
         if shape is None:
             try:
-                shape = self._capture(run, inputs)
+                shape = self._capture(run, tuple(_pad_rows(value, padded) for value in inputs))
             except Exception as error:  # a server keeps serving: eager builds are as exact
                 self.failed = f"{type(error).__name__}: {error}"
                 logger.warning("DDTREE tree graphs: graph capture failed (%s); eager "
                                "from now on", self.failed)  # fmt: skip
                 return run(*inputs)
             self._shapes[key] = shape
+            self.captures += 1
         for static, value in zip(shape.inputs, inputs, strict=True):
             if static.data_ptr() != value.data_ptr():
-                static.copy_(value)
+                static[:bs].copy_(value)
         self.replay_shape(shape)
         self.replays += 1
-        return shape.output
+        if padded == bs:
+            return shape.output
+        return _first_rows(shape.output, bs)
 
     def replay_shape(self, shape: _Shape) -> None:
         """One replay of a captured shape over its static inputs (one launch on CUDA)."""
@@ -126,6 +168,24 @@ class TreeGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             output = run(*static)
         return _Shape(static, output, run, graph)
+
+
+def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """``value`` with its first row repeated up to ``rows`` rows (a capture's padded input)."""
+    if value.shape[0] == rows:
+        return value
+    pad = value[:1].expand(rows - value.shape[0], *value.shape[1:])
+    return torch.cat([value, pad])
+
+
+def _first_rows(output: Any, rows: int) -> Any:
+    """A dataclass of ``[padded, ...]`` tensors cut to its first ``rows`` rows (views)."""
+    cut = {
+        field.name: getattr(output, field.name)[:rows]
+        for field in dataclasses.fields(output)
+        if isinstance(getattr(output, field.name), torch.Tensor)
+    }
+    return dataclasses.replace(output, **cut)
 
 
 def _build(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int) -> DraftTree:
