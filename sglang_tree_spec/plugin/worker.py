@@ -359,7 +359,7 @@ def _define_worker() -> type:
             if tree_graphs is None or not batch_sizes:
                 return
             tree_graphs.set_batch_sizes(batch_sizes)
-            with torch.inference_mode():
+            with torch.no_grad():  # (not inference mode: steps write the static inputs)
                 shapes = tree_graphs.capture_all(
                     self.config.budgets, self.block_size - 1, self.selector.topk, self.device
                 )
