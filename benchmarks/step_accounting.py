@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import code_version, command_line  # noqa: E402
+from common import code_version, command_line, portable, portable_record  # noqa: E402
 
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts  # noqa: E402
 from sglang_tree_spec.plugin.accounting import ACCOUNTING_ENV  # noqa: E402
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
                     a != b for a, b in zip(result[bs], reference[bs], strict=True)
                 )
     record = {
-        "command": command_line("benchmarks/step_accounting.py", argv),
+        "command": portable(command_line("benchmarks/step_accounting.py", argv)),
         "code": code_version(),
         "seconds": round(time.time() - started),
         "rows": rows,
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"Outputs differing from none's (greedy): {mismatches}\n"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
+    record = portable_record(record)
+    args.out.with_suffix(".md").write_text(portable(text))
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     print(text)
     return record

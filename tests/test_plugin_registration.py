@@ -155,10 +155,13 @@ def test_ddtree_supplies_the_methods_custom_spec_algo_lacks(sglang_plugins):
     assert algo.need_topk() is False
 
 
-def test_ddtree_overlap_relay_publishes_the_host_lengths(sglang_plugins):
+def test_ddtree_overlap_relay_publishes_host_lengths_only_where_a_backend_needs_them(
+    sglang_plugins,
+):
     """SGLang asks each backend whether the overlap relay must publish host sequence lengths
-    (triton and flashinfer say no); DDTREE's verify sizes its tree mask and plans its graph
-    replay from them, so its relay always does."""
+    (triton, flashinfer and the CPU tree-verify backend say no): DDTREE relays them only then,
+    so no step waits on the previous one's lengths; its step sizes what it must from the KV
+    reservation instead (:func:`host_lengths`)."""
     import torch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -166,8 +169,27 @@ def test_ddtree_overlap_relay_publishes_the_host_lengths(sglang_plugins):
         req_to_token = torch.zeros(4, 16, dtype=torch.int32)
 
     algo = SpeculativeAlgorithm.from_string("DDTREE")
-    relay = algo.create_future_map(torch.device("cpu"), Pool(), needs_cpu_seq_lens=False)
-    assert relay.needs_cpu_seq_lens is True
+    for needed in (False, True):
+        relay = algo.create_future_map(torch.device("cpu"), Pool(), needs_cpu_seq_lens=needed)
+        assert relay.needs_cpu_seq_lens is needed
+
+
+def test_a_step_without_host_lengths_sizes_from_the_kv_reservation(sglang_plugins):
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_tree_spec.plugin import compat
+    from sglang_tree_spec.plugin.backend import host_lengths
+
+    device_lens = torch.tensor([5, 9])
+    reserved = SimpleNamespace(**{compat.RESERVED_LENS[compat.release()]: torch.tensor([40, 44])})
+    exact = SimpleNamespace(seq_lens_cpu=torch.tensor([5, 9]), seq_lens=device_lens, spec_info=None)
+    bound = SimpleNamespace(seq_lens_cpu=None, seq_lens=device_lens, spec_info=reserved)
+    read = SimpleNamespace(seq_lens_cpu=None, seq_lens=device_lens, spec_info=SimpleNamespace())
+    assert [(t.tolist(), e) for t, e in map(host_lengths, (exact, bound, read))] == [
+        ([5, 9], True), ([40, 44], False), ([5, 9], True)
+    ]  # fmt: skip
 
 
 def test_hooks_are_applied(sglang_plugins):
