@@ -1,17 +1,18 @@
 """Admission checks the plugin adds to every request its server sees, speculative or not.
 
-Each refuses, with an HTTP 400, a request that would otherwise kill the scheduler, so that every
-user of the server loses service:
+Each refuses, with an HTTP 400, a request that would otherwise kill the scheduler (and every
+user of the server would lose service):
 
 * SGLang passes a request's ``input_ids`` to the scheduler unchecked: one id outside the
   vocabulary (or a negative one) indexes past the embedding, an ``IndexError`` on CPU (a
   device-side assert on GPU).
-* SGLang refuses a prompt of no tokens only where it is an empty ``input_ids`` list (and, on
-  0.5.17, an empty ``text``): a ``text`` that tokenizes to nothing (``""`` on 0.5.23, which no
-  longer refuses it before tokenizing; whitespace under a whitespace-splitting tokenizer) or an
-  empty prompt inside a batch reaches the prefill with zero tokens. Alone in its batch it kills
-  the scheduler (the last-token index of an empty extend is out of bounds); batched with others
-  it is answered from another prompt's last hidden state.
+* SGLang refuses a prompt of no tokens only where it sees one before tokenizing: an empty
+  ``input_ids`` list, an empty OpenAI ``prompt`` and, on 0.5.17, an empty ``text``. A ``text``
+  that tokenizes to nothing (``""`` on 0.5.23, which no longer refuses it before tokenizing;
+  spaces under a whitespace-splitting tokenizer) or an empty prompt inside a batch reaches the
+  prefill with zero tokens. Alone in its batch it kills the scheduler (the last-token index of
+  an empty extend is out of bounds); batched with others it is answered from another prompt's
+  last hidden state.
 """
 
 from __future__ import annotations
