@@ -3,7 +3,10 @@
 Each must be answered with a 4xx that gives the reason, and the server must keep serving: after
 every one, a reference request still gets the output it got before. Input ids outside
 ``[0, vocab_size)`` are refused by the plugin's admission hook (diff 0014); before it, one such
-request killed the scheduler. The rest are SGLang's own refusals.
+request killed the scheduler. A prompt of no tokens is refused by its other admission hook (diff
+0016): on SGLang 0.5.23 an empty ``text`` (which 0.5.17 refuses itself) killed the scheduler, and
+on both releases an empty text or ``input_ids`` inside a batch killed it or was answered from
+another prompt's hidden state. The rest are SGLang's own refusals.
 """
 
 from __future__ import annotations
@@ -57,7 +60,26 @@ def hostile_requests(vocab_size: int) -> list[Hostile]:
             "empty text", "/generate", {"text": "", "sampling_params": GREEDY}, "cannot be empty"
         ),
         Hostile("empty ids", "/generate", ids(), "cannot be empty"),
+        Hostile("batch with empty ids", "/generate", ids([5, 6], []), "cannot be empty"),
+        Hostile(
+            "batch with an empty text",
+            "/generate",
+            {"text": ["a b", ""], "sampling_params": GREEDY},
+            "cannot be empty",
+        ),
         Hostile("empty completion", "/v1/completions", completion(""), "cannot be empty"),
+        Hostile(
+            "completion batch with empty ids",
+            "/v1/completions",
+            completion([[5, 6], []]),
+            "cannot be empty",
+        ),
+        Hostile(
+            "completion batch with an empty text",
+            "/v1/completions",
+            completion(["a b", ""]),
+            "cannot be empty",
+        ),
         Hostile("past the context", "/generate", ids(5, 6, max_new_tokens=10**6), "context length"),
         Hostile("malformed JSON", "/generate", b'{"input_ids": [5, 6], "sam', "JSON decode error"),
         Hostile("non-UTF-8 text", "/generate", b'{"text": "a \xff\xfe b"}', "not valid UTF-8"),

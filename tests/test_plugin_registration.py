@@ -576,6 +576,24 @@ def test_penalised_requests_are_recognised(params, penalised):
     assert is_penalised(SamplingParams(**params)) == penalised
 
 
+def test_a_prompt_of_no_tokens_is_refused_at_admission():
+    """Hook 0016 on SGLang's own request objects (what ``_validate_one_request`` receives for
+    one request: the object and its tokens); the servers' refusal is the hostile tests'."""
+    from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
+
+    from sglang_tree_spec.plugin.admission import EMPTY_PROMPT, refuse_empty_prompts
+
+    for request in (GenerateReqInput(text=""), EmbeddingReqInput(text="")):
+        with pytest.raises(ValueError, match=f"^{re.escape(EMPTY_PROMPT)}$"):
+            refuse_empty_prompts(None, request, [])
+    assert EMPTY_PROMPT == "Prompt cannot be empty: it has no tokens."
+    refuse_empty_prompts(None, GenerateReqInput(input_ids=[5]), [5])
+    refuse_empty_prompts(None, GenerateReqInput(text="a"), None)  # no ids yet: left to SGLang
+    # The prompt is not the ids: embeddings, or a multimodal processor's expansion.
+    refuse_empty_prompts(None, GenerateReqInput(input_embeds=[[0.0, 1.0]]), [])
+    refuse_empty_prompts(None, GenerateReqInput(text="", image_data="img.png"), [])
+
+
 def test_launch_server_exits_with_the_one_line_error(models):
     command = [
         sys.executable, "-m", "sglang.launch_server",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile_requests import assert_refused_and_still_serving
+from hostile_requests import GREEDY, Hostile, assert_refused_and_still_serving
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -251,15 +251,23 @@ def test_cpu_server_ran_the_plugin_in_every_process(cpu_server):
     assert info["speculative_ddtree_topk"] is None
 
 
+# The tiny tokenizer splits on whitespace: a text of spaces has no tokens (on both releases it
+# killed the scheduler before diff 0016).
+BLANK_TEXT = Hostile(
+    "text of spaces", "/generate", {"text": "   ", "sampling_params": GREEDY}, "cannot be empty"
+)
+
+
 def test_cpu_server_refuses_hostile_requests_and_keeps_serving(cpu_server):
     """Issue 19 without speculation: one ``input_ids`` entry outside ``[0, 128)`` killed the
-    scheduler; now every hostile request gets a 4xx and the outputs stay the same."""
+    scheduler, and (issue 66) so did a prompt of no tokens; now every hostile request gets a
+    4xx and the outputs stay the same."""
     base_url, _, _ = cpu_server
 
     def reference() -> list[list[int]]:
         return [item["output_ids"] for item in greedy_generate(base_url, PROMPTS)]
 
-    assert_refused_and_still_serving(base_url, VOCAB, reference)
+    assert_refused_and_still_serving(base_url, VOCAB, reference, extra=(BLANK_TEXT,))
     # The edges of the vocabulary are still valid ids.
     assert len(greedy_generate(base_url, [[0, VOCAB - 1]])[0]["output_ids"]) == MAX_NEW_TOKENS
 

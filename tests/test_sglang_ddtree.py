@@ -288,8 +288,9 @@ def test_ddtree_serves_requests_to_the_end_of_the_context(ddtree_server, context
 
 def test_ddtree_refuses_hostile_requests_and_keeps_serving(ddtree_server, pair, prompts, baseline):
     """Issue 19 under DDTREE: an input id outside the vocabulary (or negative), or a
-    grammar-constrained request, killed the server; now every hostile request gets a 4xx, and
-    a greedy request before, between and after them gets the no-speculation output."""
+    grammar-constrained request, killed the server, and (issue 66) so did a prompt of no tokens
+    (an empty text on 0.5.23); now every hostile request gets a 4xx, and a greedy request
+    before, between and after them gets the no-speculation output."""
     vocab = json.loads((pair["target"] / "config.json").read_text())["vocab_size"]
     expected = baseline["sequential"][0][:8]
 

@@ -1,8 +1,18 @@
 """Admission checks the plugin adds to every request its server sees, speculative or not.
 
-SGLang 0.5.17 passes a request's ``input_ids`` to the scheduler unchecked: one id outside the
-vocabulary (or a negative one) indexes past the embedding, an ``IndexError`` that kills the
-scheduler on CPU (a device-side assert on GPU), and every user of the server loses service.
+Each refuses, with an HTTP 400, a request that would otherwise kill the scheduler (and every
+user of the server would lose service):
+
+* SGLang passes a request's ``input_ids`` to the scheduler unchecked: one id outside the
+  vocabulary (or a negative one) indexes past the embedding, an ``IndexError`` on CPU (a
+  device-side assert on GPU).
+* SGLang refuses a prompt of no tokens only where it sees one before tokenizing: an empty
+  ``input_ids`` list, an empty OpenAI ``prompt`` and, on 0.5.17, an empty ``text``. A ``text``
+  that tokenizes to nothing (``""`` on 0.5.23, which no longer refuses it before tokenizing;
+  spaces under a whitespace-splitting tokenizer) or an empty prompt inside a batch reaches the
+  prefill with zero tokens. Alone in its batch it kills the scheduler (the last-token index of
+  an empty extend is out of bounds); batched with others it is answered from another prompt's
+  last hidden state.
 """
 
 from __future__ import annotations
@@ -35,3 +45,22 @@ def refuse_out_of_vocab_input_ids(manager: Any, obj: Any, input_ids: Any) -> Non
     error = input_id_error(input_ids, manager.model_config.vocab_size)
     if error is not None:
         raise ValueError(error)
+
+
+EMPTY_PROMPT = "Prompt cannot be empty: it has no tokens."
+"""The refusal of a prompt of no tokens (SGLang's wording for an empty OpenAI prompt, with why)."""
+
+
+def refuse_empty_prompts(_manager: Any, obj: Any, input_ids: Any) -> None:
+    """BEFORE hook on ``TokenizerManager._validate_one_request`` (called for every request, and
+    for each one of a batch, with its tokens after tokenization and multimodal expansion): a
+    prompt of no tokens is refused with a ``ValueError``, the client's HTTP 400. Requests whose
+    prompt is not their token ids (``input_embeds``, multimodal inputs, whose processor may supply
+    the ids) are left to SGLang. Mirrored by
+    ``patches/sglang-<release>/0016-tokenizer-manager-refuses-empty-prompts.diff``.
+    """
+    if input_ids is None or len(input_ids) > 0:
+        return
+    if obj.input_embeds is not None or obj.contains_mm_input():
+        return
+    raise ValueError(EMPTY_PROMPT)

@@ -48,6 +48,11 @@ _COMMON_INTERNALS = (
     "sglang.srt.arg_groups.overrides.attention_backends_of",
     "sglang.srt.mem_cache.allocation_sizing.get_alloc_reserve_per_decode",
     "sglang.srt.sampling.sampling_params.SamplingParams",
+    # admission.py (the request objects _validate_one_request's admission hooks read)
+    "sglang.srt.managers.io_struct.GenerateReqInput.input_embeds",
+    "sglang.srt.managers.io_struct.GenerateReqInput.contains_mm_input",
+    "sglang.srt.managers.io_struct.EmbeddingReqInput.input_embeds",
+    "sglang.srt.managers.io_struct.EmbeddingReqInput.contains_mm_input",
     # cpu.py
     "sglang.srt.layers.radix_attention.AttentionType",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",

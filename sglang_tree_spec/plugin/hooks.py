@@ -96,6 +96,12 @@ def _refuse_out_of_vocab_input_ids() -> Callable[..., None]:
     return refuse_out_of_vocab_input_ids
 
 
+def _refuse_empty_prompts() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.admission import refuse_empty_prompts
+
+    return refuse_empty_prompts
+
+
 def _finish_state_token_by_token() -> Callable[..., None]:
     from sglang_tree_spec.plugin.finish import update_finish_state_token_by_token
 
@@ -161,6 +167,15 @@ HOOKS: tuple[Hook, ...] = (
         patch="0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff",
         reason="input_ids outside [0, vocab_size) reach the embedding unchecked and kill the "
         "scheduler (any server, speculative or not); refuse them at admission (HTTP 400)",
+    ),
+    Hook(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        kind="BEFORE",
+        make=_refuse_empty_prompts,
+        patch="0016-tokenizer-manager-refuses-empty-prompts.diff",
+        reason="a prompt of no tokens (a text that tokenizes to nothing, an empty prompt in a "
+        "batch) reaches the prefill and kills the scheduler (any server, speculative or not); "
+        "refuse it at admission (HTTP 400)",
     ),
     Hook(
         target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
@@ -281,6 +296,7 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0012-req-to-token-row-holds-the-decode-reservation.diff"],
     _BY_PATCH["0013-dflash-refuses-penalties.diff"],
     _BY_PATCH["0014-tokenizer-manager-refuses-out-of-vocab-input-ids.diff"],
+    _BY_PATCH["0016-tokenizer-manager-refuses-empty-prompts.diff"],
     Hook(
         target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
         kind="AROUND",
