@@ -17,12 +17,14 @@ at exactly that batch size, after the first ``--skip`` steps of each size:
 * ``tok/step``: tokens committed per request and step.
 
 Configurations: ``none`` (no speculation), ``dflash`` (SGLang's DFLASH chain with the same
-drafter), ``ddtree:B`` (a fixed budget), ``ddtree:auto``, ``ddtree-graft:B`` (unified
-grafting). Every server runs with ``--disable-overlap-schedule``; with ``--overlap`` a DDTREE
-server keeps SGLang's overlap scheduler instead (SGLang 0.5.23; none and DFLASH run
+drafter), ``ddtree:B`` (a fixed budget; 0: plain steps), ``ddtree:auto``, ``ddtree-graft:B``
+(unified grafting). Every server runs with ``--disable-overlap-schedule``; with ``--overlap`` a
+DDTREE server keeps SGLang's overlap scheduler instead (SGLang 0.5.23; none and DFLASH run
 synchronously on a CPU whatever the flag: SGLang turns overlap off there).
 
-    python benchmarks/step_accounting.py                 # the committed table
+    python benchmarks/step_accounting.py                 # the committed table, then
+    .venv-0.5.23/bin/python benchmarks/step_accounting.py --overlap --merge \
+        --configs none ddtree:8 ddtree:32 ddtree:auto    # DDTREE under the overlap scheduler
     python benchmarks/step_accounting.py --quick         # two configurations, batch size 1
 """
 
@@ -53,7 +55,7 @@ from sglang_tree_spec.server_process import (  # noqa: E402
     wait_until_healthy,
 )
 
-CONFIGS = ("none", "dflash", "ddtree:8", "ddtree:32", "ddtree:auto", "ddtree-graft:8")
+CONFIGS = ("none", "dflash", "ddtree:0", "ddtree:8", "ddtree:32", "ddtree:auto", "ddtree-graft:8")
 COUNTS = ("ops", "replays", "reads", "uploads", "cpu_only_ops", "host_ms")
 
 
@@ -74,7 +76,7 @@ def server_command(args: argparse.Namespace, config: str, port: int) -> list[str
     if config == "dflash":
         return [*command, "--speculative-algorithm", "DFLASH"]
     kind, budget = config.split(":")
-    largest = 32 if budget == "auto" else int(budget)
+    largest = 32 if budget == "auto" else max(int(budget), 8)  # (budget 0: plain steps)
     command += ["--speculative-algorithm", "DDTREE",
                 "--speculative-num-draft-tokens", str(largest + 1),
                 "--speculative-ddtree-budget", budget]  # fmt: skip
@@ -167,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs and steps here")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep --out's run of the other scheduling beside"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/step_accounting_cpu")
     args = parser.parse_args(argv)
     if args.quick:
@@ -194,18 +199,30 @@ def main(argv: list[str] | None = None) -> dict:
                 mismatches[f"{config}@{bs}"] = sum(
                     a != b for a, b in zip(result[bs], reference[bs], strict=True)
                 )
-    record = {
+    import sglang
+
+    run = {
         "command": portable(command_line("benchmarks/step_accounting.py", argv)),
         "code": code_version(),
+        "sglang": sglang.__version__,
+        "overlap": args.overlap,
         "seconds": round(time.time() - started),
         "rows": rows,
         "mismatches": mismatches,
     }
-    text = (
-        f"# Step accounting (CPU, small pair, float32)\n\n`{record['command']}`\n\n"
-        f"code {record['code']}\n\n{table(rows)}\n\n"
-        f"Outputs differing from none's (greedy): {mismatches}\n"
-    )
+    runs = [run]
+    if args.merge and args.out.with_suffix(".json").exists():  # the other scheduling's run
+        earlier = json.loads(args.out.with_suffix(".json").read_text())["runs"]
+        runs = [r for r in earlier if r["overlap"] != args.overlap] + runs
+    text = "# Step accounting (CPU, small pair, float32)\n"
+    for each in runs:
+        scheduling = "overlap scheduler" if each["overlap"] else "--disable-overlap-schedule"
+        text += (
+            f"\n## SGLang {each['sglang']}, {scheduling}\n\n`{each['command']}`\n\n"
+            f"code {each['code']}, {each['seconds']} s\n\n{table(each['rows'])}\n\n"
+            f"Outputs differing from none's (greedy): {each['mismatches']}\n"
+        )
+    record = {"runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = portable_record(record)
     args.out.with_suffix(".md").write_text(portable(text))

@@ -7,9 +7,9 @@ counted by site, copies between host and device told apart.
 Then a real CPU server with DDTREE at budget 8 (its verify and tree-build graphs in closure
 replay) serves one request and then four at once; every decode step at batch size 4 must stay
 under the ceilings of a lean step: no blocking read of the plugin's own, at most
-``MAX_REPLAYS`` graph replays and at most ``MAX_OPS`` device ops outside graphs, and greedy
-output equal to a no-speculation server's. On SGLang 0.5.23 the server keeps the overlap
-scheduler (``SGLANG_TREE_SPEC_CPU_OVERLAP``): there the step reads nothing back at all, the
+``MAX_REPLAYS`` graph replays and at most ``MAX_PLUGIN_OPS`` device ops outside graphs from the
+plugin's code, and greedy output equal to a no-speculation server's. On SGLang 0.5.23 the
+server keeps the overlap scheduler (``SGLANG_TREE_SPEC_CPU_OVERLAP``): there the step reads nothing back at all, the
 FutureMap's host lengths included. ``benchmarks/step_accounting.py`` writes the whole table.
 """
 
@@ -24,10 +24,16 @@ from sglang_tree_spec.accounting import StepAccounting
 # A DDTREE step at budget 8, batch size 4, on the small pair (benchmarks/README.md, step
 # accounting): the drafter's block (SGLang's draft graph on CUDA), the tree build, the verify
 # and the greedy acceptance are replays; outside graphs are the layout, the tree mask, the
-# verify graph's input copies and the kept path's KV and drafter context. Measured 110 ops and
-# 4 replays; the ceilings leave 10% on the ops.
-MAX_OPS = 121
+# verify graph's input copies and the kept path's KV and drafter context. Measured 109 ops from
+# the plugin's code and 4 replays; the ceiling leaves 10% on the ops. (The scheduler's own ops,
+# e.g. the overlap relay's, are SGLang's and the same for every algorithm.)
+MAX_PLUGIN_OPS = 120
 MAX_REPLAYS = 4
+
+
+def plugin_ops(step: dict) -> int:
+    """Ops launched from the plugin's code (sites outside it start with ``sglang/``)."""
+    return sum(n for site, n in step["op_sites"].items() if not site.startswith("sglang/"))
 
 
 def test_device_ops_are_counted_and_host_data_is_free():
@@ -108,7 +114,7 @@ def test_ddtree_fixed_budget_step_stays_under_its_ceilings(served):
         ours = {site: n for site, n in step["read_sites"].items() if "plugin/" in site}
         assert not ours, step["read_sites"]
         assert step["replays"] <= MAX_REPLAYS, step
-        assert step["ops"] <= MAX_OPS, step["op_sites"]
+        assert plugin_ops(step) <= MAX_PLUGIN_OPS, step["op_sites"]
         if served["overlap"]:
             assert step["reads"] == 0, step["read_sites"]  # no FutureMap wait either
 
