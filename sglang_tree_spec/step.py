@@ -46,106 +46,23 @@ from sglang_tree_spec.tree.select import (
     empty_tree,
 )
 
-# Auto: drafted steps a forecast's choice holds for (ControlConfig.hold_steps). A forecast step
-# costs ~20 small tensor ops more than a fixed-budget step (rank, calibrate, choose, cut the
-# tree, update the calibration) and builds the largest candidate's tree: on CPU through SGLang,
-# +0.7-1.0 ms on a 12.7 ms step at batch size 2 (measured with the tree one candidate larger).
-# On a simulated clock (benchmarks/results/budget_sim_cpu_small_pair.md) auto reached 0.98 /
-# 0.98 / 0.99 / 1.03x the best fixed budget at batch sizes 1 / 2 / 4 / 8 holding 8, 0.97 / 0.97
-# / 0.97 / 1.01x holding 4.
-HOLD_STEPS = 8
-# Auto: a forecast that makes the choice the forecast before it made holds twice as long, up to
-# HOLD_MAX_STEPS drafted steps (ControlConfig.hold_max_steps). Per-step logs of the small pair
-# through SGLang (serve_throughput_cpu_v30_steps.md): forecasts are 14-22% of auto's steps, and
-# with each drafted step charged the fixed server's mean time for its budget, auto would read
-# 0.98-1.00x the best fixed budget at batch sizes 1-8 where it reads 0.94-0.98x; the forecast
-# steps alone account for 1-3 points of that. Simulated clock (64 prompts, `budget_sim.py
-# --policies ... auto auto:holdmax=16 auto:holdmax=32 auto:holdmax=64`, +1 ms a forecast;
-# benchmarks/results/budget_sim_cpu_small_pair_holdmax.md):
-# 0.997 / 0.989 / 0.988 / 1.011x at batch sizes 1 / 2 / 4 / 8 with 32, 0.993 / 0.990 / 0.983 /
-# 1.024x without (64: as 32 at 1-2, 0.985 / 1.001x at 4 / 8).
-HOLD_MAX_STEPS = 32
-# Auto: the choice reads each request's decayed average of its forecasts (ControlConfig.
-# choice_decay), half the weight on the latest. Simulated clock, 64 prompts
-# (benchmarks/results/budget_sim_cpu_small_pair_v2.md): 0.990 / 0.988 / 0.984 / 1.020x the best
-# fixed budget at batch sizes 1 / 2 / 4 / 8; without the average 0.982 / 0.982 / 0.991 / 1.022x
-# (plain steps at batch size 1: 46 against 16). Before session 27 (the forecast's tree one
-# candidate above the last choice, no average, TIE_RTOL 0.03): 0.976 / 0.973 / 0.987 / 1.021x.
-CHOICE_DECAY = 0.5
-# Auto: plain steps after a forecast that prefers them while drafting pays on average
-# (ControlConfig.hard_plain_steps): one, then a probe. Simulated clock (as above): without them
-# 0.98 / 0.95 / 0.96 / 0.98x the best fixed budget at batch sizes 1 / 2 / 4 / 8 when added
-# (2026-11-26); with today's choice (averaged forecasts, 1% margin; 2026-11-28, `budget_sim.py
-# --prompts 64 --policies fixed:4 fixed:8 fixed:16 fixed:32 auto auto:hard=0`) 0.987 / 0.987 /
-# 0.975 / 1.011x without them against 0.990 / 0.988 / 0.984 / 1.020x with them.
-HARD_PLAIN_STEPS = 1
-# Auto: the long-run average of what drafting pays (ControlConfig.plain_long_decay), a window of
-# ~200 drafted steps beside the recent one's ~20: a plain run starts only when neither pays. On
-# the recent average alone, hard stretches at concurrency 1 on this CPU started plain runs whose
-# probes, at growing intervals, outlived them (whole requests in plain steps at 0.68x the
-# tokens/s of B 16's steps; small pair through SGLang, per-step logs).
-PLAIN_LONG_DECAY = 0.995
-# Auto: a larger budget is chosen only when its predicted accepted tokens per second beat the
-# best smaller one's by this margin (ControlConfig.tie_rtol). Neighbouring budgets' predicted
-# rates are often within a few percent, closer than the latency model's error (~5-10% on CPU);
-# without it auto leant one candidate too large (small pair, 12 waves: 0.96x / 0.94x the best
-# fixed budget at concurrency 2 / 16; with 3%: 0.98x / 1.04x). Since the choice reads averaged
-# forecasts (CHOICE_DECAY), 1%: simulated clock as above, 3% gave 0.989 / 0.980 / 0.979 / 1.017x
-# (B 4 held at batch size 2 where B 16 was best), 1% 0.990 / 0.988 / 0.984 / 1.020x.
-TIE_RTOL = 0.01
-# Auto: drafted steps an exploration's budget holds for (ControlConfig.explore_steps), so the
-# re-measured cell reads three fresh times (a forgotten cell's LatencyConfig.first_steps; any
-# other is moved by the switches into and out of it).
-EXPLORE_STEPS = 3
-# Auto: drafted steps after which an unmeasured cell drops its cost at its next measurement
-# (ControlConfig.forget_after). The latency model's load rescales times taken at another speed
-# of the machine, so a cell's old cost stays comparable; 512 drafted steps is several requests'
-# lifetimes at any concurrency, long enough for their contexts to have changed the cost.
-FORGET_AFTER = 512
-# Auto: explorations re-measure the contenders alone, the budgets whose predicted rate at the
-# bucket's last forecast was within this fraction of the best (ControlConfig.explore_margin):
-# a budget further behind cannot become the choice by a fresher time, and re-measuring it only
-# costs (budget 32 at batch size 16: twice budget 4's step). 0.15 until session 45, when an
-# auto variant at 0.08 in the same server (small pair, 12 waves, `serve_throughput.py ...
-# ddtree:auto/auto:margin=0.08`, serve_throughput_cpu_v57_margin_variants) read 0.997 / 1.000
-# / 1.042 / 1.013 / 1.054x auto's tokens/s at concurrency 1 / 2 / 4 / 8 / 16, paired per wave
-# (with explorations half as often as well, 0.996 / 1.023 / 1.014 / 1.036 / 1.021): fewer
-# explorations and profile steps at budgets that do not win (B 32 at batch size 4-16, B 4 at
-# 1). A cell read too dear by more than the margin is still re-measured through
-# EXPLORE_INVERTED, and the cells' noise (5-10% on this CPU) moves a budget in and out.
-EXPLORE_MARGIN = 0.08
-# Auto: a budget whose measured step time exceeds a larger budget's by more than this fraction
-# is explored whatever its predicted rate (ControlConfig.explore_inverted): a larger tree is
-# never less work, so its cell was set at another speed of the machine. Above the cells' noise
-# (5-10% on this CPU); the small pair's trap at concurrency 16 (B 4 and B 8 at 17% and 11% over
-# B 16) would have been caught. Replaying that server's per-step log into a fresh latency model
-# (serve_throughput_cpu_v30, steps_auto_24949) shows how: the bucket's profile set B 4 and B 8
-# while the load read 0.74, B 16 was first measured with the load at 0.89.
-EXPLORE_INVERTED = 0.10
-# Auto: the budgets next to the best whose cells were last measured FORGET_AFTER or more drafted
-# steps ago, or never, are explored afresh (ControlConfig.explore_stale_neighbours): a cell the
-# start-up profile read 1.4-1.5x too dear (small pair, batch size 1, serve_throughput_cpu_v68:
-# B 16 and B 32) was never measured again, and auto held the budget below it for a whole run.
-EXPLORE_STALE_NEIGHBOURS = True
-# Auto: the calibration learns from every HELD_OBSERVE_EVERY-th drafted step, forecast or held
-# (a grafted tree: from its forecast steps alone), which counts for its stride
-# (ControlConfig.held_observe_every; until session 44 every forecast step was calibrated too,
-# 0.4 ms of the observe phase on 10-20% of auto's steps through SGLang): its ~80
-# small tensor ops cost 0.29 ms at batch size 4 in inference mode on this CPU (0.3 ms of a
-# 12.5 ms step at batch size 1 through SGLang; ~60 ops and 0.25 ms since 2026-11-29, the
-# factors read once), on most steps of an auto server; at one in
-# four, held steps spent 0.19-0.26 ms a step in the observe phase (2026-11-29, per-phase step
-# log) where a fixed budget's spend 0.01. One in eight halves that. Simulated clock (64
-# prompts, `budget_sim.py --policies ... auto auto:obs=8 auto:obs=16`, which charges no
-# observe time): auto / best fixed 0.993 / 0.990 / 0.983 / 1.024 at batch sizes 1 / 2 / 4 / 8
-# with 8, 0.990 / 0.988 / 0.987 / 1.015 with 4, 0.981 / 0.985 / 0.981 / 1.007 with 16. The
-# accepted-token and request-step totals (metrics) still count every step, exactly.
-HELD_OBSERVE_EVERY = 8
+# Budget control's shipped settings (ControlConfig fields); why each has its value, with the
+# measurements: benchmarks/README.md, "Tuned settings".
+HOLD_STEPS = 8  # drafted steps a forecast's choice holds: pays for the forecast's extra ops
+HOLD_MAX_STEPS = 32  # a repeated choice holds twice as long, up to this
+CHOICE_DECAY = 0.5  # the choice reads each request's decayed average of its forecasts
+HARD_PLAIN_STEPS = 1  # plain steps after a forecast that prefers them while drafting pays
+PLAIN_LONG_DECAY = 0.995  # ~200 drafted steps: a plain run starts only when neither average pays
+TIE_RTOL = 0.01  # a larger budget must beat the best smaller one's predicted rate by this
+EXPLORE_STEPS = 3  # drafted steps an exploration holds: its cell reads three fresh times
+FORGET_AFTER = 512  # drafted steps after which an unmeasured cell drops its cost
+EXPLORE_MARGIN = 0.08  # explorations re-measure budgets within this of the best's rate
+EXPLORE_INVERTED = 0.10  # a cell dearer than a larger budget's by this is re-measured
+EXPLORE_STALE_NEIGHBOURS = True  # the best's neighbours unmeasured for FORGET_AFTER: contenders
+HELD_OBSERVE_EVERY = 8  # calibrate on one drafted step in this many (a held step's ~60 ops)
 # Target forwards of a plain step (budget 0), each committing one token a request: the
-# scheduler's per-step work (output processing, scheduling, the speculative result's bookkeeping)
-# is paid once per PLAIN_FORWARDS tokens. The budget-0 cell of the latency model is the time a
-# plain step takes per forward. SGLang reserves 2 x (budget + 1) >= 4 KV slots per request and
-# step, so two forwards always fit.
+# scheduler's per-step work is paid once per PLAIN_FORWARDS tokens (SGLang reserves 2 x (budget
+# + 1) >= 4 KV slots per request and step, so two forwards always fit).
 PLAIN_FORWARDS = 2
 
 

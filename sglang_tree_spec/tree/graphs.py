@@ -4,7 +4,7 @@ The batched builder (:func:`~sglang_tree_spec.tree.ddtree.build_ddtree` without 
 fixed shapes and reads nothing back to the host at a given input shape and budget
 (``tests/test_host_reads.py``), so one captured graph replays it: on a GPU its ~85 small
 kernels (1.4-2.3 ms eager on an H100 at every batch size and budget: launch-bound,
-``benchmarks/results/gpu_h100_2026-11-26.md``) become one graph launch.
+``benchmarks/results/gpu_h100.md``) become one graph launch.
 
 :class:`TreeGraphs` captures a shape the first time it is asked for (after one warm-up build on
 a side stream, which also fills the builder's cached index tables) and replays it afterwards:
