@@ -325,16 +325,20 @@ def measure_steps(
         [python, "benchmarks/serve_throughput.py", "--device", "cuda",
          "--attention-backend", "triton", "--dtype", "bfloat16",
          "--target", str(target), "--drafter", str(drafter),
-         "--configs", f"ddtree:{small}", "--concurrency", "1", "16", "--repeats", "1",
+         "--configs", "none", f"ddtree:{small}", "--concurrency", "1", "16", "--repeats", "1",
          "--prompts", "16", "--prompt-tokens", "256", "--new-tokens", "64",
          "--max-total-tokens", "65536", "--logs", str(out / "servers-phases"),
          "--out", str(out / "phases.json")],
-        150, f"where a DDTREE B{small} step's time goes on the device (draft, tree, verify, "
+        200, f"where a DDTREE B{small} step's time goes on the device (draft, tree, verify, "
         "accept, commit, observe; each phase synchronised, so not a throughput figure): the "
         f"server logs 'DDTREE step times' every {PHASE_REPORT_EVERY} steps "
-        "(servers-phases/ddtree_*.log)",
-        env={**server_env, "SGLANG_TREE_SPEC_STEP_TIMES": str(PHASE_REPORT_EVERY)},
-        outputs=["phases.json", "servers-phases"],
+        "(servers-phases/ddtree_*.log); and every decode step of it and of no speculation "
+        "counted as on CPU (SGLANG_TREE_SPEC_ACCOUNTING: ops outside graphs, graph replays, "
+        "host reads, and torch's own count of synchronising calls, cuda_syncs; "
+        "accounting/steps_*.jsonl, compare benchmarks/results/step_accounting_cpu.md)",
+        env={**server_env, "SGLANG_TREE_SPEC_STEP_TIMES": str(PHASE_REPORT_EVERY),
+             "SGLANG_TREE_SPEC_ACCOUNTING": str(out / "accounting")},
+        outputs=["phases.json", "servers-phases", "accounting"],
     ))  # fmt: skip
     shaped = shlex.quote(str(SHAPED_PAIR))
     steps.append(Step(

@@ -63,7 +63,7 @@ def test_dry_run_prints_every_command_of_the_plan(dry_run):
         "--concurrency 1 2 4 8 16",
         f"--logs {out}/servers-triton --out {out}/serve_throughput_cuda_triton.json",
         "SGLANG_TREE_SPEC_STEP_TIMES=25",  # the phases step: the server logs its step times
-        "--configs ddtree:8 --concurrency 1 16 --repeats 1",
+        "--configs none ddtree:8 --concurrency 1 16 --repeats 1",
     ]
     for fragment in expected:
         assert fragment in result.stdout, fragment

@@ -9,8 +9,9 @@ replay) serves one request and then four at once; every decode step at batch siz
 under the ceilings of a lean step: no blocking read of the plugin's own, at most
 ``MAX_REPLAYS`` graph replays and at most ``MAX_PLUGIN_OPS`` device ops outside graphs from the
 plugin's code, and greedy output equal to a no-speculation server's. On SGLang 0.5.23 the
-server keeps the overlap scheduler (``SGLANG_TREE_SPEC_CPU_OVERLAP``): there the step reads nothing back at all, the
-FutureMap's host lengths included. ``benchmarks/step_accounting.py`` writes the whole table.
+server keeps the overlap scheduler (``SGLANG_TREE_SPEC_CPU_OVERLAP``): there the step reads
+nothing back at all, the FutureMap's host lengths included. ``benchmarks/step_accounting.py``
+writes the whole table.
 """
 
 from __future__ import annotations

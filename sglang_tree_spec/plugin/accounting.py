@@ -3,7 +3,8 @@
 With the variable set, every decode batch the scheduler runs (``Scheduler.run_batch``: the
 FutureMap's host lengths, the worker's whole step) is counted by
 :class:`~sglang_tree_spec.accounting.StepAccounting` and one JSON line a step is appended to
-``DIR/steps_<pid>.jsonl``: the batch size, the algorithm and the counts. It counts any
+``DIR/steps_<pid>.jsonl``: the batch size, the algorithm and the counts (on CUDA also
+``cuda_syncs``, the synchronising calls torch's sync debug mode reports). It counts any
 algorithm the same way (none, SGLang's DFLASH, DDTREE), which is what
 ``benchmarks/step_accounting.py`` compares.
 
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    Path(os.environ[ACCOUNTING_ENV]).mkdir(parents=True, exist_ok=True)
     _accounting = StepAccounting("sglang_tree_spec", cpu_only=CPU_ONLY_SITES)
     hooks = (
         _run_batch, _resolve_seq_lens_cpu, _forward, _dflash_on_cpu, _dflash_step_on_cpu,
@@ -111,7 +116,7 @@ def _run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: 
         batch, batch.spec_info, getattr(scheduler, "future_map", None), worker,
         getattr(worker, "_draft_worker", None), getattr(graphs, "buffers", None),
     )  # fmt: skip
-    with _accounting.step(mirrors) as counts:
+    with _accounting.step(mirrors) as counts, _cuda_syncs(batch) as syncs:
         result = original(scheduler, batch, *args, **kwargs)
     record = {
         "pid": os.getpid(),
@@ -119,12 +124,33 @@ def _run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: 
         "bs": len(batch.reqs),
         "overlap": bool(getattr(scheduler, "enable_overlap", False)),
         "tokens": _committed(result, len(batch.reqs)),
+        "cuda_syncs": len(syncs),
         **counts.as_dict(),
     }
     path = Path(os.environ[ACCOUNTING_ENV]) / f"steps_{os.getpid()}.jsonl"
     with path.open("a") as out:
         out.write(json.dumps(record) + "\n")
     return result
+
+
+@contextmanager
+def _cuda_syncs(batch: Any) -> Iterator[list]:
+    """On CUDA, the step's synchronising calls as torch reports them
+    (``torch.cuda.set_sync_debug_mode``): the device's own count of blocking reads."""
+    syncs: list = []
+    device = getattr(batch.seq_lens, "device", None)
+    if device is None or device.type != "cuda":
+        yield syncs
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs.extend(w for w in caught if "synchroniz" in str(w.message))
 
 
 def _committed(result: Any, bs: int) -> int:
