@@ -245,6 +245,8 @@ def test_ddtree_cuda_graphs_are_what_the_plugin_says(ddtree):
         assert GRAPHS_OFF_LINE in ddtree["log"]
     if ddtree["graft"] == "none":  # DDTree's own batched build is graphed on CUDA
         assert TREE_GRAPHS_LINE in ddtree["log"]
+        assert "DDTREE tree graphs: " in ddtree["log"]  # captured at start-up
+    assert "DDTREE drafter block: SGLang's draft graphs" in ddtree["log"]
 
 
 def test_ddtree_runs_under_the_scheduler_asked_for(ddtree):

@@ -71,6 +71,7 @@ BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto onl
 # fixed budget. Off: the parameter is ignored.
 PIN_ENV_FLAG = "SGLANG_TREE_SPEC_PIN_BUDGET"
 EAGER_DRAFT_ENV = "SGLANG_TREE_SPEC_EAGER_DRAFT"  # 1: no CUDA graph for the drafter's block
+DRAFT_GRAPHS_LINE = "DDTREE drafter block: SGLang's draft graphs (as DFLASH's)"
 PIN_PARAM = "ddtree_budget"
 
 
@@ -338,8 +339,10 @@ def _define_worker() -> type:
             eager); on CPU it runs eagerly."""
             if self.device == "cpu" or os.environ.get(EAGER_DRAFT_ENV) == "1":
                 self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
+                logger.info("DDTREE drafter block: eager")
             else:
                 super().init_cuda_graphs()
+                logger.info(DRAFT_GRAPHS_LINE)
             # On CUDA SGLang has built the target's verify graphs by now (plugin/graphs.py,
             # through its decode graph runner hook); on CPU only when asked (tests), the same
             # runner replays its captured closures.
