@@ -3,12 +3,13 @@
 Each configuration is a real CPU SGLang server with ``SGLANG_TREE_SPEC_ACCOUNTING`` set
 (``plugin/accounting.py``) and DDTREE's verify and tree-build graphs in their closure replay
 (``SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS=1``). It serves the held-out prompts at each batch size
-(``bs`` requests at once, greedy, the same lengths) and the table is the mean per decode step
-at exactly that batch size, after the first ``--skip`` steps of each size:
+(one request of ``bs`` prompts: prefilled and decoded together, greedy, the same lengths) and
+the table is the mean per decode step at exactly that batch size, after the first ``--skip``
+steps of each size:
 
 * ``ops``: device ops launched outside graphs (each a kernel on a GPU);
 * ``replays``: graph replays (SGLang's decode and DFLASH graphs as SGLang replays them on CUDA,
-  DDTREE's verify and tree-build graphs);
+  DDTREE's verify, tree-build and acceptance graphs);
 * ``reads``: blocking host reads of device data, the FutureMap host-length wait included;
 * ``uploads``: host-to-device copies (pinned, non-blocking);
 * ``stand-in ops``: ops of CPU code standing in for one GPU kernel each (KV moves, the drafter
@@ -36,7 +37,6 @@ import json
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,12 +103,9 @@ def measure(args: argparse.Namespace, config: str, prompts: list[list[int]], wor
         for bs in args.batch_sizes:
             for path in steps_dir.glob("*.jsonl"):
                 path.unlink()
-            batch = prompts[:bs]
-            with ThreadPoolExecutor(bs) as pool:  # bs requests at once
-                replies = list(pool.map(
-                    lambda p: http_json(f"{url}/generate",
-                                        {"input_ids": p, "sampling_params": params}, 900),
-                    batch))  # fmt: skip
+            # one request of bs prompts: prefilled together, decoded together to the end
+            payload = {"input_ids": prompts[:bs], "sampling_params": params}
+            replies = http_json(f"{url}/generate", payload, 900)
             outputs[bs] = [r["output_ids"] for r in replies]
             records = [
                 json.loads(line)
