@@ -17,6 +17,7 @@ vocabulary.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,9 +116,9 @@ class Sampling:
 
     @classmethod
     def greedy(cls, batch_size: int, device: torch.device | str) -> Sampling:
-        zeros = torch.zeros(batch_size, device=device)
-        long = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return cls(zeros, long, zeros + 1, zeros, long, long.bool(), True, True)
+        """The all-greedy rule of ``batch_size`` rows: one per size and device, shared (its
+        tensors are never written), so a greedy step makes none."""
+        return _greedy_sampling(batch_size, str(torch.device(device)))
 
     def coins(
         self, prefix_lens: torch.Tensor, depth_count: int, generator: torch.Generator | None
@@ -155,6 +156,13 @@ class Sampling:
             min_p=self.min_p,
             uniforms=self.coins(prefix_lens, tree.max_depth + 1, generator),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _greedy_sampling(batch_size: int, device: str) -> Sampling:
+    zeros = torch.zeros(batch_size, device=device)
+    long = torch.zeros(batch_size, dtype=torch.long, device=device)
+    return Sampling(zeros, long, zeros + 1, zeros, long, long.bool(), True, True)
 
 
 @dataclass(frozen=True)
@@ -290,11 +298,12 @@ def decode_step(
 def _verify(backend, selector, sampling, tree, bonus, prefix_lens, generator, timer):
     """Verify ``tree`` in one target forward, accept with the target's rule, let the selector
     learn and keep the accepted path: ``(AcceptResult, [bs, W, V] logits)``."""
-    layout = build_verify_layout(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
+    graphs = getattr(selector, "graphs", None)  # the tree's graphs (DDTree on CUDA)
+    lay_out = build_verify_layout if graphs is None else graphs.verify_layout
+    layout = lay_out(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
     timer.mark("tree")
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
-    graphs = getattr(selector, "graphs", None)  # the tree's graphs (DDTree on CUDA)
     accept = sampling.accept(tree, logits, prefix_lens, generator, graphs)
     if selector is not None:  # a plain forward too: Graft's table learns the root's successors
         selector.learn(tree, layout.tokens, logits, accept.committed_tokens)

@@ -19,7 +19,7 @@ from tree_helpers import random_marginals, small_pair
 from sglang_tree_spec.config import TreeConfig
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.step import make_selector
-from sglang_tree_spec.tree import build_ddtree, greedy_accept
+from sglang_tree_spec.tree import build_ddtree, build_verify_layout, greedy_accept
 from sglang_tree_spec.tree.graphs import TreeGraphs
 from sglang_tree_spec.tree.select import DDTreeSelector
 
@@ -70,6 +70,28 @@ def test_replayed_greedy_acceptance_equals_the_eager_one(mode):
             target.scatter_(1, parents, torch.where(follow, tree.tokens, target.gather(1, parents)))
             assert_same_tree(graphs.greedy_accept(tree, target), greedy_accept(tree, target))
     assert len([key for key in graphs._shapes if key[1] == "accept"]) == 3
+
+
+def test_a_built_trees_layout_comes_from_its_replay_and_equals_the_eager_one():
+    """The ancestor mask and depths of a tree in a build's static outputs are the replay's
+    (no eager layout ops); a tree from elsewhere is laid out eagerly. Both equal
+    ``build_verify_layout``, padded batch sizes included."""
+    graphs = TreeGraphs("closure", batch_sizes=[4])
+    for bs, budget in ((3, 8), (4, 16)):
+        lp, tok = topk(bs, 7, 8, seed=bs + budget)
+        root, prefix = torch.arange(bs) + 5, torch.arange(bs) * 3 + 10
+        for tree in (graphs.build(lp, tok, budget), build_ddtree(lp, tok, budget)):
+            got, want = (
+                graphs.verify_layout(tree, root, prefix),
+                build_verify_layout(tree, root, prefix),
+            )
+            assert_same_tree(got, want)
+    built = graphs.build(*topk(4, 7, 8, seed=9), 16)
+    assert graphs.verify_layout(built, root, prefix).ancestor_mask.data_ptr() in {
+        shape.output.ancestors.data_ptr()
+        for shape in graphs._shapes.values()
+        if hasattr(shape.output, "ancestors")
+    }  # the build's static output, not a new mask
 
 
 def test_shapes_captured_at_start_up_serve_every_padded_batch_size():

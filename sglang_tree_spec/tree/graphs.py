@@ -27,6 +27,12 @@ import torch
 
 from sglang_tree_spec.tree.accept import AcceptResult, greedy_accept
 from sglang_tree_spec.tree.ddtree import DraftTree, build_ddtree
+from sglang_tree_spec.tree.layout import (
+    VerifyLayout,
+    ancestor_mask,
+    build_verify_layout,
+    slot_depths,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ class TreeGraphs:
             raise ValueError(f"TreeGraphs: mode {mode!r} is not one of {MODES}")
         self.mode = mode
         self._shapes: dict[tuple, _Shape] = {}
+        # a build's static tree -> its layout's parts, ``[bs, W, W]`` mask and ``[bs, W]`` depths
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replays = 0
         self.captures = 0
         self.failed: str | None = None  # a capture failed: every build is eager from then on
@@ -96,10 +104,32 @@ class TreeGraphs:
         shape = topk_logprobs.shape[1:]  # (the batch size is padded: _replayed)
         key = ("build", *shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
 
-        def run(lp: torch.Tensor, tok: torch.Tensor) -> DraftTree:
-            return _build(lp, tok, budget)
+        def run(lp: torch.Tensor, tok: torch.Tensor) -> _BuiltTree:
+            tree = _build(lp, tok, budget)
+            fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(DraftTree)}
+            return _BuiltTree(**fields, ancestors=ancestor_mask(tree), slots=slot_depths(tree))
 
-        return self._replayed(key, run, (topk_logprobs, topk_tokens))
+        built = self._replayed(key, run, (topk_logprobs, topk_tokens))
+        tree = DraftTree(*(getattr(built, f.name) for f in dataclasses.fields(DraftTree)))
+        self._layouts[tree.tokens.data_ptr()] = (built.ancestors, built.slots)
+        return tree
+
+    def verify_layout(
+        self, tree: DraftTree, root_tokens: torch.Tensor, prefix_lens: torch.Tensor
+    ) -> VerifyLayout:
+        """:func:`~sglang_tree_spec.tree.layout.build_verify_layout` of ``tree``: for a tree
+        in a build's static outputs its ancestor mask and depths were computed in the build's
+        replay (two ops are left); any other tree is laid out eagerly."""
+        parts = self._layouts.get(tree.tokens.data_ptr())
+        if parts is None or parts[0].shape[0] != tree.batch_size or tree.budget == 0:
+            return build_verify_layout(tree, root_tokens, prefix_lens)
+        ancestors, slots = parts
+        root = root_tokens.view(-1, 1).to(torch.long)
+        return VerifyLayout(
+            tokens=torch.cat([root, tree.tokens], dim=1),
+            ancestor_mask=ancestors,
+            positions=prefix_lens.view(-1, 1).to(torch.long) + slots,
+        )
 
     def greedy_accept(self, tree: DraftTree, target_argmax: torch.Tensor) -> AcceptResult:
         """:func:`~sglang_tree_spec.tree.accept.greedy_accept` of a ``[bs, B]`` tree and the
@@ -168,6 +198,15 @@ class TreeGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             output = run(*static)
         return _Shape(static, output, run, graph)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuiltTree(DraftTree):
+    """A build's output: the tree and the parts of its verify layout that depend on the tree
+    alone (``ancestors`` ``[bs, W, W]``, ``slots`` ``[bs, W]`` window-slot depths)."""
+
+    ancestors: torch.Tensor = None
+    slots: torch.Tensor = None
 
 
 def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:

@@ -179,11 +179,11 @@ def build_verify_layout(
     return VerifyLayout(
         tokens=tokens,
         ancestor_mask=ancestor_mask(tree),
-        positions=prefix_lens.view(bs, 1).to(torch.long) + _slot_depths(tree),
+        positions=prefix_lens.view(bs, 1).to(torch.long) + slot_depths(tree),
     )
 
 
-def _slot_depths(tree: DraftTree) -> torch.Tensor:
+def slot_depths(tree: DraftTree) -> torch.Tensor:
     """``[bs, D]`` int64 depth of every window slot (root 0)."""
     root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=tree.device)
     return torch.cat([root, tree.depths], dim=1)
@@ -196,7 +196,7 @@ def eagle_retrieve_arrays(tree: DraftTree) -> EagleRetrieve:
     first_child, next_sibling = sibling_links(group_siblings(parents, window_valid(tree)))
     return EagleRetrieve(
         parent_slots=parents,
-        depths=_slot_depths(tree),
+        depths=slot_depths(tree),
         index=torch.arange(bs * d, device=tree.device).view(bs, d),
         next_token=first_child,
         next_sibling=next_sibling,
