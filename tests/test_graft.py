@@ -33,7 +33,7 @@ from sglang_tree_spec.graft import (
     stage_confidences,
 )
 from sglang_tree_spec.graft.edges import PARENT_RUNS, Q_KNOTS
-from sglang_tree_spec.graft.template import best_first_position
+from sglang_tree_spec.graft.template import best_first_position, static_template
 from sglang_tree_spec.tree import build_ddtree
 from sglang_tree_spec.tree.ddtree import LOGPROB_FLOOR
 
@@ -394,6 +394,118 @@ def test_unified_equals_the_plain_reference(depth, k, budget, table_k, seed):
         paths = node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), out.valid[b].tolist())
         expected = reference_unified(lp[b], tok[b], int(roots[b]), table, edges, budget)
         assert set(paths[: int(out.valid[b].sum())]) == expected
+
+
+def reference_stage(tree, b, lp, tok, root, table, config):
+    """Plain-Python stage grafting for request ``b``: the set of token paths it keeps, and how
+    many retrieved nodes met a cousin (a draft node of the same depth and token under another
+    parent).
+
+    ``keep`` draft nodes by score (score desc, slot asc) come first; then the static template
+    in its priority order, each rank path retrieved token by token from the bonus token (a
+    path through an UNKNOWN entry is dropped); a retrieved path that is a draft path is that
+    draft node (it takes the template's priority when earlier); then the other draft nodes by
+    score. The tree is the ``budget`` first entries."""
+    budget, depth_count = tree.budget, tree.max_depth
+    keep = budget
+    best = 0.0
+    for d in range(depth_count):
+        best += float(lp[b, d, 0])
+        if d + 1 in config.depths:
+            c = config.depths.index(d + 1)
+            if math.exp(best) <= config.thresholds[c]:
+                keep = config.keep_counts(budget)[c]
+                break
+    valid = tree.valid[b].tolist()
+    draft = node_paths(tree.parents[b].tolist(), tree.tokens[b].tolist(), valid)
+    scores = tree.logprobs[b].tolist()
+    order = sorted((i for i in range(budget) if valid[i]), key=lambda i: (-scores[i], i))
+    draft_paths = {draft[i] for i in order}
+    priority = {}
+    for position, i in enumerate(order):
+        priority[draft[i]] = position if position < keep else keep + budget + position
+    draft_at = {}  # (depth, token) -> draft parent paths
+    for i in order:
+        draft_at.setdefault((len(draft[i]), draft[i][-1]), set()).add(draft[i][:-1])
+    template = static_template(budget, depth_count, table.k, tree.device)
+    retrieved: dict[int, tuple[int, ...] | None] = {}  # template node -> token path
+    cousins = 0
+    for t in range(template.size):
+        if not template.valid[t]:
+            continue
+        parent = int(template.parents[t])
+        prefix = () if parent < 0 else retrieved[parent]
+        if prefix is None:  # under an UNKNOWN entry
+            retrieved[t] = None
+            continue
+        last = prefix[-1] if prefix else root
+        token = int(table.table[last, int(template.ranks[t])])
+        path = retrieved[t] = None if token == UNKNOWN else (*prefix, token)
+        if path is None:
+            continue
+        rank_priority = keep + int(template.priority[t])
+        if path in draft_paths:  # the draft node itself
+            priority[path] = min(priority[path], rank_priority)
+        else:
+            priority[path] = rank_priority
+        if prefix in draft_paths and any(p != prefix for p in draft_at.get((len(path), token), ())):
+            cousins += 1
+    chosen = sorted(priority, key=priority.get)[:budget]
+    return set(chosen), cousins
+
+
+def stage_paths(out, b):
+    """The token paths of request ``b``'s valid nodes."""
+    valid = out.valid[b].tolist()
+    return set(node_paths(out.parents[b].tolist(), out.tokens[b].tolist(), valid)[: sum(valid)])
+
+
+def test_stage_grafts_under_the_merged_node_not_its_cousin():
+    """A retrieved node merges only into a draft child of its own (merged) parent: here the
+    retrieved path b -> t is the draft node (b, t), and (a, t), a same-depth draft node with
+    the same token under the other parent, must not take it, or the grafted branch
+    (b, t, z) ends up under a and is lost."""
+    root, a, b, t, u, v, w, x, y, z = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+    lp = torch.tensor([[[0.55, 0.4], [0.6, 0.3], [0.5, 0.2]]]).log()
+    tok = torch.tensor([[[a, b], [t, u], [v, w]]])
+    tree = build_ddtree(lp, tok, 8)
+    table = SuccessorTable(12, k=2)
+    table.observe(torch.tensor([[root, b, t, z], [root, x, -1, -1]]))  # rows: root [b, x]
+    table.observe(torch.tensor([b, y]))  # row b: [t, y]; row t: [z]
+    config = StageConfig(depths=(1,), thresholds=(1.0,), keep_fractions=(2 / 8,))
+    out = graft_stage(tree, lp, tok, torch.tensor([root]), table, config)
+    assert_well_formed(out, lp, tok)
+    expected, cousins = reference_stage(tree, 0, lp, tok, root, table, config)
+    assert cousins == 1
+    assert (b, t, z) in expected and (a, t, z) not in expected
+    assert stage_paths(out, 0) == expected
+
+
+@pytest.mark.parametrize(("depth", "k", "budget", "table_k"), [(3, 3, 10, 2), (4, 3, 16, 3)])
+@pytest.mark.parametrize("seed", range(4))
+def test_stage_equals_the_plain_reference(depth, k, budget, table_k, seed):
+    """Guards the stage policy's pool (merging, retrieval through the table, the three
+    priority tiers) against :func:`reference_stage`, on a small vocabulary where retrieved
+    tokens often meet draft nodes of the same depth and token under other parents."""
+    vocab, bs = 6, 3
+    lp, tok = random_marginals(bs, depth, k, vocab, seed=seed, sharpness=1.0)
+    tree = build_ddtree(lp, tok, budget)
+    table = random_table(vocab, table_k, seed, known_rows=0.9)
+    roots = torch.tensor([0, 3, 5])
+    configs = [
+        StageConfig(thresholds=(1.0, 1.0, 1.0)),  # prune at depth 1
+        StageConfig(thresholds=(0.0, 1.0, 1.0), keep_fractions=(0.1, 0.5, 0.6)),  # depth 2
+        StageConfig(thresholds=(0.0, 0.0, 0.0)),  # keep the draft tree
+    ]
+    collisions = 0
+    for config in configs:
+        out = graft_stage(tree, lp, tok, roots, table, config)
+        assert_well_formed(out, lp, tok)
+        for b in range(bs):
+            expected, cousins = reference_stage(tree, b, lp, tok, int(roots[b]), table, config)
+            assert stage_paths(out, b) == expected, (config, b)
+            collisions += cousins
+    assert collisions > 0  # the case meets a cousin
 
 
 def test_stage_keeps_the_draft_tree_when_confident():

@@ -115,3 +115,19 @@ def test_full_mask_overwrites_a_dirty_buffer():
     write_full_mask(mask, prefix, clean)
     write_full_mask(mask, prefix, dirty)
     assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("depth", [2, 4, 8, 16])
+def test_ancestor_mask_reaches_the_root_of_a_full_depth_chain(depth):
+    """Pointer doubling covers 1, 3, 7, 15, ... steps per round: at ``L = 2**r`` the last round
+    is the one that reaches the deepest node's root. Certain marginals (one token per depth)
+    give a chain of exactly ``L`` nodes; every slot must see itself, the root and every
+    ancestor, and nothing below it."""
+    lp = torch.zeros(2, depth, 1)
+    tok = torch.arange(2 * depth).view(2, depth, 1) % 7
+    tree = build_ddtree(lp, tok, depth)
+    assert tree.depths[:, -1].tolist() == [depth, depth]  # a chain as deep as the block
+    mask = ancestor_mask(tree)
+    chain = torch.ones(depth + 1, depth + 1, dtype=torch.bool).tril()  # slot i sees 0..i
+    for b in range(2):
+        assert torch.nonzero(mask[b] != chain).tolist() == [], b  # [slot, slot] pairs wrong
