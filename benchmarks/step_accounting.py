@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
         runs = [r for r in earlier if r["overlap"] != args.overlap] + runs
     text = "# Step accounting (CPU, small pair, float32)\n"
     for each in runs:
-        scheduling = "overlap scheduler" if each["overlap"] else "--disable-overlap-schedule"
+        scheduling = (
+            "overlap scheduler for DDTREE (none and DFLASH run synchronously on a CPU)"
+            if each["overlap"]
+            else "--disable-overlap-schedule"
+        )
         text += (
             f"\n## SGLang {each['sglang']}, {scheduling}\n\n`{each['command']}`\n\n"
             f"code {each['code']}, {each['seconds']} s\n\n{table(each['rows'])}\n\n"
