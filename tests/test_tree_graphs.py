@@ -136,6 +136,7 @@ def test_a_failed_capture_falls_back_to_eager_builds(caplog):
     assert graphs.failed and "graph capture failed" in caplog.text
     assert_same_tree(graphs.build(lp, tok, 8), build_ddtree(lp, tok, 8, validate=False))
     assert not graphs._shapes
+    assert not graphs._layouts  # eager trees' addresses are reused: never read a mask by them
 
 
 def test_the_selector_graphs_the_batched_build_on_cuda_only():

@@ -111,7 +111,8 @@ class TreeGraphs:
 
         built = self._replayed(key, run, (topk_logprobs, topk_tokens))
         tree = DraftTree(*(getattr(built, f.name) for f in dataclasses.fields(DraftTree)))
-        self._layouts[tree.tokens.data_ptr()] = (built.ancestors, built.slots)
+        if self.failed is None:  # static outputs only (a fresh tree's address is reused)
+            self._layouts[tree.tokens.data_ptr()] = (built.ancestors, built.slots)
         return tree
 
     def verify_layout(
@@ -159,6 +160,7 @@ class TreeGraphs:
                 shape = self._capture(run, tuple(_pad_rows(value, padded) for value in inputs))
             except Exception as error:  # a server keeps serving: eager builds are as exact
                 self.failed = f"{type(error).__name__}: {error}"
+                self._layouts.clear()
                 logger.warning("DDTREE tree graphs: graph capture failed (%s); eager "
                                "from now on", self.failed)  # fmt: skip
                 return run(*inputs)
