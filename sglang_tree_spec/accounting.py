@@ -234,12 +234,12 @@ class StepAccounting:
     @contextmanager
     def forward(self) -> Iterator[None]:
         """An eager model forward: its ops are counted, its time is not host time."""
-        start = time.perf_counter()
+        start, excluded = time.perf_counter(), self._excluded
         try:
             yield
         finally:
-            if self.current is not None and not self._quiet:
-                self._excluded += time.perf_counter() - start
+            if self.current is not None and not self._quiet:  # (its counting already is)
+                self._excluded = excluded + time.perf_counter() - start
 
     @contextmanager
     def wait(self, site: str) -> Iterator[None]:
