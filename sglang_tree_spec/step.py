@@ -327,7 +327,10 @@ def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator,
             backend, selector, sampling, empty, tokens[-1], prefix_lens + i, generator, timer
         )
         tokens.append(accept.bonus)
-        logits.append(forward_logits)
+        # a replayed verify's logits live in its graph's static output, which the next forward
+        # (the same shape) overwrites: the earlier forwards' are copied out for the log-probs
+        last = i == forwards - 1
+        logits.append(forward_logits if last else forward_logits.clone())
     if forwards == 1:
         return empty, accept, logits[0]
     committed = torch.stack(tokens[1:], dim=1)  # [bs, forwards]

@@ -102,6 +102,46 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
 
 
 @pytest.fixture(scope="module")
+def plain_logprobs(pair, prompts, tmp_path_factory) -> dict[str, list[dict]]:
+    """Log-prob replies of no speculation and of DDTREE at budget 0 (plain steps: two target
+    forwards a step, both replays of one captured shape), two prompts at once."""
+    from test_sglang_ddtree_params import logprob_replies
+
+    replies = {}
+    ddtree = server_command(pair, free_port(), max(BUDGETS), "0")  # budget 0 every step
+    for name, cmd in (("plain", command(pair, None)), ("ddtree", ddtree)):
+        log = tmp_path_factory.mktemp(f"logprobs-{name}") / "server.log"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(CPU_GRAPHS_ENV, "1")
+            for server in running_server(cmd, log):
+                replies[name] = logprob_replies(server, prompts[:2], 2)
+                replies[f"{name}-log"] = log.read_text()
+    return replies
+
+
+def test_replayed_plain_steps_report_each_forwards_own_logprobs(plain_logprobs):
+    """A plain step's first forward's logits are copied out of the graph's static output
+    before the second forward replays the same shape; else its token's log-probs would be the
+    second's (the closure replay writes static outputs, as a CUDA graph does)."""
+    from test_sglang_ddtree_params import assert_close_logprobs
+
+    assert "DDTREE verify graph replayed: batch size 2, budget 0" in plain_logprobs["ddtree-log"]
+    for want, got in zip(plain_logprobs["plain"], plain_logprobs["ddtree"], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert len(got["meta_info"][key]) == len(want["meta_info"][key])
+        assert_close_logprobs(
+            want["meta_info"]["output_token_logprobs"], got["meta_info"]["output_token_logprobs"]
+        )
+        for plain_top, ddtree_top in zip(
+            want["meta_info"]["output_top_logprobs"],
+            got["meta_info"]["output_top_logprobs"],
+            strict=True,
+        ):
+            assert_close_logprobs(plain_top, ddtree_top)
+
+
+@pytest.fixture(scope="module")
 def replayed_triton_overlap(pair, prompts, tmp_path_factory) -> Iterator[dict]:
     """The same DDTREE server on SGLang's triton backend, under the overlap scheduler."""
     log = tmp_path_factory.mktemp("graphs-triton-overlap") / "server.log"

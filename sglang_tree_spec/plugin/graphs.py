@@ -354,7 +354,28 @@ class DDTreeVerifyGraphs:
         if self.replay_mode == "cuda":
             self._graphs[key].replay()
             return self._outputs[key]
-        return self._graphs[key]()
+        fresh = self._graphs[key]()  # closure: into static outputs, as a CUDA graph writes
+        static = self._outputs.get(key)
+        if static is None:
+            static = self._outputs[key] = _cloned_output(fresh)
+        for name in ("next_token_logits", "hidden_states"):
+            value = getattr(fresh, name, None)
+            if value is not None:
+                getattr(static, name).copy_(value)
+        return static
+
+
+def _cloned_output(output: Any) -> Any:
+    """A closure replay's static outputs: its first output's logits and hidden states, cloned
+    (later replays copy into them, so a caller keeping them past the next replay of the shape
+    reads the new values, as after a CUDA graph's replay)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    hidden = output.hidden_states
+    return LogitsProcessorOutput(
+        next_token_logits=output.next_token_logits.clone(),
+        hidden_states=None if hidden is None else hidden.clone(),
+    )
 
 
 class _null:
