@@ -170,3 +170,12 @@ def test_engine_steps_through_replayed_trees_commit_the_same_tokens(pair, kwargs
     # be the same too, so every step accepts as many tokens as the eager build's.
     assert [r.stats.commit_lengths for r in got] == [r.stats.commit_lengths for r in want]
     assert replayed.selector.graphs.replays > 10
+
+
+def test_start_up_capture_stops_at_its_largest_batch_size():
+    """Sizes past ``max_batch_size`` are padded to but captured on first use only."""
+    graphs = TreeGraphs("closure", batch_sizes=[1, 4, 8])
+    assert graphs.capture_all((4, 8), depths=7, topk=8, device="cpu", max_batch_size=4) == 2 * 5
+    assert {key[0] for key in graphs._shapes} == {1, 4}
+    graphs.build(*topk(6, 7, 8, seed=0), 8)  # pads to 8: captured now
+    assert {key[0] for key in graphs._shapes} == {1, 4, 8}

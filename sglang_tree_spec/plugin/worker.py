@@ -70,9 +70,12 @@ BUDGET_LOG_EVERY = 50  # decode steps between budget-control log lines (auto onl
 # command differ by up to ~5% for a whole run, more than what sets auto apart from the best
 # fixed budget. Off: the parameter is ignored.
 PIN_ENV_FLAG = "SGLANG_TREE_SPEC_PIN_BUDGET"
+PIN_PARAM = "ddtree_budget"
 EAGER_DRAFT_ENV = "SGLANG_TREE_SPEC_EAGER_DRAFT"  # 1: no CUDA graph for the drafter's block
 DRAFT_GRAPHS_LINE = "DDTREE drafter block: SGLang's draft graphs (as DFLASH's)"
-PIN_PARAM = "ddtree_budget"
+# Tree graphs captured at start-up up to this batch size (larger ones on first use): ~25 shapes
+# a size with six budgets, and SGLang's default capture sizes reach 256 on a large GPU.
+TREE_GRAPHS_START_UP_MAX_BS = 64
 
 
 def batch_sampling(batch: Any, device: torch.device | str) -> Sampling:
@@ -364,11 +367,12 @@ def _define_worker() -> type:
             tree_graphs.set_batch_sizes(batch_sizes)
             with torch.no_grad():  # (not inference mode: steps write the static inputs)
                 shapes = tree_graphs.capture_all(
-                    self.config.budgets, self.block_size - 1, self.selector.topk, self.device
-                )
+                    self.config.budgets, self.block_size - 1, self.selector.topk, self.device,
+                    max_batch_size=TREE_GRAPHS_START_UP_MAX_BS,
+                )  # fmt: skip
             logger.info(
-                "DDTREE tree graphs: %d shapes captured at start-up (batch sizes %s)",
-                shapes, tree_graphs.batch_sizes,
+                "DDTREE tree graphs: %d shapes captured at start-up (batch sizes %s, up to %d)",
+                shapes, tree_graphs.batch_sizes, TREE_GRAPHS_START_UP_MAX_BS,
             )  # fmt: skip
 
         def forward_batch_generation(

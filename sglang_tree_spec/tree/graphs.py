@@ -77,15 +77,21 @@ class TreeGraphs:
         return next((size for size in self.batch_sizes if size >= bs), bs)
 
     def capture_all(
-        self, budgets: tuple[int, ...], depths: int, topk: int, device: torch.device | str
+        self,
+        budgets: tuple[int, ...],
+        depths: int,
+        topk: int,
+        device: torch.device | str,
+        max_batch_size: int | None = None,
     ) -> int:
         """Capture at start-up every shape a decode step can ask for at the padded batch
-        sizes: the build of each budget ``b`` (``min(depths, b)`` drafted depths, top
-        ``min(topk, b)``) and the greedy acceptance of a ``b``-node tree cut from any tree at
-        least as wide (auto's forecast). Returns the shapes captured."""
+        sizes (up to ``max_batch_size``): the build of each budget ``b`` (``min(depths, b)``
+        drafted depths, top ``min(topk, b)``) and the greedy acceptance of a ``b``-node tree
+        cut from any tree at least as wide (auto's forecast). Returns the shapes captured."""
         before = len(self._shapes)
         drafted = sorted(b for b in budgets if b > 0)
-        for bs in self.batch_sizes:
+        limit = max_batch_size or max(self.batch_sizes, default=0)
+        for bs in (size for size in self.batch_sizes if size <= limit):
             for budget in drafted:
                 d, k = min(depths, budget), min(topk, budget)
                 scores = -torch.arange(k, dtype=torch.float32, device=device).expand(bs, d, k)
