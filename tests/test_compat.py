@@ -51,6 +51,15 @@ def test_every_declared_sglang_name_exists_in_the_installed_release():
     assert compat.missing_targets(targets) == []
 
 
+def test_the_step_accounting_hooks_are_declared():
+    """``plugin/accounting.py``'s targets are SGLang names like the others: declared, so the
+    release check covers them."""
+    from sglang_tree_spec.plugin.accounting import TARGETS
+
+    declared = set(compat.declared_targets(compat.release()))
+    assert set(TARGETS) <= declared, set(TARGETS) - declared
+
+
 def test_the_other_release_tables_do_not_fit_the_installed_one():
     """The per-release tables differ where SGLang did: the other release misses something."""
     missing = compat.missing_targets(compat.declared_targets(OTHER))

@@ -80,6 +80,7 @@ _COMMON_INTERNALS = (
     "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu",
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.arg_groups.speculative_hook._handle_dflash",
+    "sglang.srt.speculative.dflash_worker_v2.assign_extend_cache_locs_func",
     # graphs.py (the DDTREE verify graph runner)
     "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
