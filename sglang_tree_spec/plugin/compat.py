@@ -120,6 +120,11 @@ WORKER_ATTRIBUTES = (
     "model_runner",
 )
 
+# The target ``ModelRunner``'s attribute holding its decode graph runner on CUDA (DDTREE's verify
+# graphs, plugin/graphs.py), read by the worker for the capture batch sizes of its tree graphs;
+# set (None until captured) in both tested releases' ``ModelRunner``.
+MODEL_RUNNER_GRAPH_RUNNER = "decode_cuda_graph_runner"
+
 # Attributes of SGLang's scheduler ``Req`` the DDTREE worker and the finish hook (finish.py) read
 # (checked on a real Req by tests/test_compat.py).
 REQ_ATTRIBUTES = (

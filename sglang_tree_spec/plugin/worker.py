@@ -359,7 +359,7 @@ def _define_worker() -> type:
             (each capture waits for the device)."""
             tree_graphs = getattr(self.selector, "graphs", None)
             runner = self.verify_graphs or getattr(
-                self.target_worker.model_runner, "decode_cuda_graph_runner", None
+                self.target_worker.model_runner, compat.MODEL_RUNNER_GRAPH_RUNNER, None
             )
             batch_sizes = getattr(runner, "capture_bs", None)
             if tree_graphs is None or not batch_sizes:
