@@ -19,46 +19,30 @@ REASONS = ("arrivals", "probe", "grew", "expired", "held", "explore", "profile",
 
 @dataclass(frozen=True)
 class ControlConfig:
-    """One line of why per field; the values' evidence: benchmarks/README.md, "Tuned settings".
+    """Budget control's settings, one line of why each; evidence: benchmarks/README.md, "Tuned
+    settings". The auto fields default to their shipped values (:data:`~.presets.AUTO`).
 
     Attributes:
-        budgets: sorted candidate budgets (:func:`candidate_budgets`); 0 = a plain step.
+        budgets: sorted candidate budgets (each one fixed shape); 0 = a plain step.
         fixed_budget: None = auto; a number = always that budget (no reads, no latency model).
         max_depth: L, drafted positions per step (the drafter's block - 1).
-        probe_every: a plain run drafts (and re-forecasts) after this many steps
-            (:class:`~.policies.PlainRuns`), so a drafter that starts paying is noticed.
-        probe_max_every: each probe after which drafting still does not pay doubles the
-            interval up to this: a useless drafter costs one probe in this many steps.
-        plain_decay: plain runs start and end on the drafted steps' decayed average (this factor
-            per step) of committed tokens per plain forward, not on one noisy forecast.
-        plain_long_decay: a long-run average beside it (None: none); a run starts only when
-            neither pays, so a hard stretch of a paying drafter does not outlive itself.
-        hard_plain_steps: a forecast that prefers plain steps while drafting pays on average is
-            followed by this many plain steps (0: none): hard text comes in stretches.
-        profile_steps: the start-up profile measures each cell this many times before trusting
-            the latency model (:class:`~.policies.Profile`).
-        explore_every: every this many drafted steps one re-measures the stalest contender's
-            cell (0: never; :class:`~.policies.Explorations`): a cell set under load recovers.
-        explore_steps: an exploration's budget holds this many drafted steps, so its cell reads
-            several fresh times.
-        explore_margin: contenders are the budgets within this fraction of the best predicted
-            rate: re-measuring a budget that loses by more than the cells' noise costs speed.
-        explore_inverted: a cell dearer than a larger budget's by this fraction stays a
-            contender (None: never): a larger tree is never less work.
-        explore_stale_neighbours: the best's neighbours whose cells are ``forget_after`` steps
-            old stay contenders: a cell read too dear once is measured again.
-        forget_after: a cell last measured this many drafted steps ago drops its cost at its
-            next time (None: ``explore_every``; 0: never): what changed is the cell itself.
-        hold_steps: a forecast's budget > 0 holds this many drafted steps of the same batch
-            (:class:`~.policies.Holds`): a forecast costs more than a held step.
-        hold_max_steps: a choice made again holds twice as long, up to this (None:
-            ``hold_steps`` always): a choice that keeps being made needs fewer forecasts.
-        tie_rtol: objectives within this relative margin of the best count as ties (toward the
-            smaller budget): neighbouring rates are closer than the latency model's error.
-        choice_decay: the choice reads each request's decayed average of its forecasts (this
-            weight on the average so far; 0: the step's own): one step's forecast is noisy.
-        held_observe_every: the calibration learns from one drafted step in this many, each
-            standing for its stride: an unbiased sample at a fraction of the ops.
+        probe_every: a plain run re-forecasts after this many steps: a drafter may pay again.
+        probe_max_every: probes of a drafter that still does not pay double up to this.
+        plain_decay: plain runs start and end on a decayed average, not on one noisy forecast.
+        plain_long_decay: and a long-run one (None: none): a hard stretch does not outlive itself.
+        hard_plain_steps: plain steps after a hard forecast while drafting pays (text stretches).
+        profile_steps: times per cell before the latency model is trusted (the start-up profile).
+        explore_every: drafted steps between re-measurements of a stale contender (0: never).
+        explore_steps: an exploration's budget holds this many steps: several fresh times.
+        explore_margin: contenders lie within this of the best rate: others cost speed for nothing.
+        explore_inverted: a cell dearer than a larger budget's by this is a contender (None: off).
+        explore_stale_neighbours: the best's neighbours measured long ago stay contenders.
+        forget_after: drafted steps after which a cell restarts from fresh times (0: never).
+        hold_steps: a forecast's choice holds this many drafted steps: forecasts cost more.
+        hold_max_steps: a choice made again holds twice as long, up to this (None: no doubling).
+        tie_rtol: rates within this of the best tie toward the smaller budget (model error).
+        choice_decay: the choice reads each request's decayed average forecast (one is noisy).
+        held_observe_every: calibrate on one drafted step in this many: unbiased, fewer ops.
         calibration: the acceptance calibration's decays and priors.
     """
 
