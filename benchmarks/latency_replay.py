@@ -40,14 +40,13 @@ import random
 import statistics
 from pathlib import Path
 
-from sglang_tree_spec.control import BudgetController, ControlConfig
+from sglang_tree_spec.control import AUTO, BudgetController, ControlConfig
 from sglang_tree_spec.control.latency import (
     EXACT_BS_BUCKETS,
     LatencyConfig,
     LatencyModel,
     bucket_of,
 )
-from sglang_tree_spec.step import FORGET_AFTER, HOLD_STEPS
 
 BUDGETS = (0, 4, 8, 16, 32)
 MIN_TRUTH_STEPS = 30  # a pinned budget's steps at one batch size for its mean to be the truth
@@ -71,7 +70,7 @@ def fresh_model(args: argparse.Namespace) -> tuple[LatencyModel, BudgetControlle
         [[0.01] * len(BUDGETS)] * len(EXACT_BS_BUCKETS), BUDGETS, EXACT_BS_BUCKETS,
         LatencyConfig(**args.latency),
     )  # fmt: skip
-    config = ControlConfig(budgets=BUDGETS, hold_steps=HOLD_STEPS, forget_after=args.forget_after)
+    config = ControlConfig(budgets=BUDGETS, forget_after=args.forget_after)
     return model, BudgetController(config, model, max_slots=1)
 
 
@@ -89,7 +88,7 @@ def replay(steps, args: argparse.Namespace, seed: int) -> list[float]:
                 burst_left, burst = rnd.randint(10, 80), rnd.uniform(0.15, 0.4)
             speed = drift + (burst if burst_left else 0.0) + rnd.gauss(0.0, args.noise)
             burst_left = max(0, burst_left - 1)
-            controller._drafted_steps += drafted  # as held_budget and choose count them
+            controller.drafted_steps += drafted  # as held_budget and choose count them
             seconds = true_seconds(bs, budget, shifted) * math.exp(speed)
             controller.record_step(bs, budget, seconds, drafted, forecast)
             if scored and bs in (2, 4, 8) and rnd.random() < 0.05:
@@ -145,7 +144,7 @@ def replay_real(rows: list[dict], truth: dict, args: argparse.Namespace) -> dict
             rate = {b: truth[bs, b][1] / truth[bs, b][0] for b in drafted_budgets}
             chosen = max(drafted_budgets, key=lambda b: truth[bs, b][1] / row[b])
             regrets.setdefault(bs, []).append(1.0 - rate[chosen] / max(rate.values()))
-        controller._drafted_steps += drafted  # as held_budget and choose count them
+        controller.drafted_steps += drafted  # as held_budget and choose count them
         controller._after_plain = drafted and after_plain  # (held_budget sets it)
         controller.record_step(
             bs, budget, float(r["seconds"]), drafted, forecast, int(r["forwards"])
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--drift", type=float, default=0.02)
     parser.add_argument("--burst-rate", type=float, default=0.01)
     parser.add_argument("--noise", type=float, default=0.05)
-    parser.add_argument("--forget-after", type=int, default=FORGET_AFTER)
+    parser.add_argument("--forget-after", type=int, default=AUTO["forget_after"])
     parser.add_argument("--shift", action="store_true")
     parser.add_argument("--truth", type=Path, help="the same server's pinned budgets' step logs")
     parser.add_argument(

@@ -5,11 +5,11 @@ steps, their share of the server's decode time, the mean batch size, committed t
 request-step and committed tokens per millisecond, and, when the server also ran with
 ``SGLANG_TREE_SPEC_STEP_TIMES=N``, the mean milliseconds of each phase of the step
 (``step_times.PHASES``); and for auto, over the steps it calibrated on (one drafted step in
-``step.HELD_OBSERVE_EVERY``; a grafted tree's forecast steps), the mean predicted and accepted
-draft tokens per request-step (where its predictions miss, by kind of step). Kinds: ``forecast``
-(auto chose the budget this step), ``held`` (a fixed budget, or auto holding, exploring or
-profiling one), ``plain`` (no draft). Reading auto's rows beside the fixed servers' shows where
-auto's time goes.
+``ControlConfig.held_observe_every``; a grafted tree's forecast steps), the mean predicted and
+accepted draft tokens per request-step (where its predictions miss, by kind of step). Kinds:
+``forecast`` (auto chose the budget this step), ``held`` (a fixed budget, or auto holding,
+exploring or profiling one), ``plain`` (no draft). Reading auto's rows beside the fixed servers'
+shows where auto's time goes.
 
 When the auto server also ran pinned budgets (``serve_throughput.py``'s ``ddtree:auto/N``: their
 steps in ``steps_auto-pin<N>_<pid>.csv``, the same process), :func:`versus_pinned` adds, for auto

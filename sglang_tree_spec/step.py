@@ -6,8 +6,11 @@ operations that touch their models and caches, and call :func:`decode_step`:
 
     draft top-K -> choose budget -> select tree -> layout -> verify -> accept -> learn -> keep
 
-A step that does not draft (budget 0) runs ``PLAIN_FORWARDS`` plain target forwards instead, one
-token a request each, reported as the one-node chain they amount to.
+The step asks the budget controller for a plan (draft or not; a held budget, or the width to
+forecast from), resolves a forecasting plan from the widest tree, and hands back the outcome:
+three controller calls (:mod:`sglang_tree_spec.control.plan`). A step that does not draft
+(budget 0) runs ``control.PLAIN_FORWARDS`` plain target forwards instead, one token a request
+each, reported as the chain they amount to.
 
 Sizes: ``bs`` requests, ``L`` drafted depths (the drafter's block - 1, at most the largest
 budget), ``K`` top-K per depth, ``B`` tree budget, ``W = B + 1`` verify-window slots (the root,
@@ -26,7 +29,15 @@ from typing import Protocol
 import torch
 
 from sglang_tree_spec.config import TreeConfig
-from sglang_tree_spec.control import BudgetController, ControlConfig, LatencyModel, top_nodes
+from sglang_tree_spec.control import (
+    PLAIN_FORWARDS,
+    BudgetController,
+    ControlConfig,
+    Forecast,
+    LatencyModel,
+    StepOutcome,
+    top_nodes,
+)
 from sglang_tree_spec.step_times import PhaseTimer
 from sglang_tree_spec.tree import (
     AcceptResult,
@@ -46,25 +57,6 @@ from sglang_tree_spec.tree.select import (
     TreeSelector,
     empty_tree,
 )
-
-# Budget control's shipped settings (ControlConfig fields); why each has its value, with the
-# measurements: benchmarks/README.md, "Tuned settings".
-HOLD_STEPS = 8  # drafted steps a forecast's choice holds: pays for the forecast's extra ops
-HOLD_MAX_STEPS = 32  # a repeated choice holds twice as long, up to this
-CHOICE_DECAY = 0.5  # the choice reads each request's decayed average of its forecasts
-HARD_PLAIN_STEPS = 1  # plain steps after a forecast that prefers them while drafting pays
-PLAIN_LONG_DECAY = 0.995  # ~200 drafted steps: a plain run starts only when neither average pays
-TIE_RTOL = 0.01  # a larger budget must beat the best smaller one's predicted rate by this
-EXPLORE_STEPS = 3  # drafted steps an exploration holds: its cell reads three fresh times
-FORGET_AFTER = 512  # drafted steps after which an unmeasured cell drops its cost
-EXPLORE_MARGIN = 0.08  # explorations re-measure budgets within this of the best's rate
-EXPLORE_INVERTED = 0.10  # a cell dearer than a larger budget's by this is re-measured
-EXPLORE_STALE_NEIGHBOURS = True  # the best's neighbours unmeasured for FORGET_AFTER: contenders
-HELD_OBSERVE_EVERY = 8  # calibrate on one drafted step in this many (a held step's ~60 ops)
-# Target forwards of a plain step (budget 0), each committing one token a request: the
-# scheduler's per-step work is paid once per PLAIN_FORWARDS tokens (SGLang reserves 2 x (budget
-# + 1) >= 4 KV slots per request and step, so two forwards always fit).
-PLAIN_FORWARDS = 2
 
 
 class StepBackend(Protocol):
@@ -240,45 +232,45 @@ def decode_step(
     bs = bonus.shape[0]
     start = time.perf_counter()
     timer.start()
-    drafted = selector is not None and controller.should_draft(bs)
-    topk_logprobs, forecast, budget, calibrated = None, None, 0, None
-    if drafted:
-        held = controller.held_budget(bs)  # fixed, or a held auto choice; None: forecast
-        width = controller.tree_budget(bs) if held is None else held  # the largest verifiable
-        topk = _draft_topk(selector, width)
-        topk_logprobs, topk_tokens = backend.draft_topk(bonus, prefix_lens, topk, width)
-        timer.mark("draft")
-        if held is None:  # one tree at ``width``; every candidate up to it nests in it
-            largest = _largest_tree(selector, width, topk_logprobs, topk_tokens, bonus)
-            forecast = controller.forecast(rows, largest.logprobs, largest.depths, largest.valid)
-            budget = controller.choose(forecast, bs)  # the step's one host read
-            tree = _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bonus)
+    plan = controller.plan(bs, drafts=selector is not None)
+    topk_logprobs, forecast, budget, forwards = None, None, plan.budget, 1
+    if plan.draft:
+        topk_logprobs, topk_tokens = _draft(backend, selector, bonus, prefix_lens, plan, timer)
+        drafted = (selector, topk_logprobs, topk_tokens, bonus)
+        if plan.forecasts:  # one tree at the width; every candidate up to it nests in it
+            largest = _largest_tree(*drafted, plan.width)
+            forecast = controller.resolve(plan, rows, largest)  # the step's one host read
+            budget, tree = forecast.budget, _tree_at(forecast, largest, *drafted)
         else:
-            budget = held
             tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
         accept, logits = _verify(
             backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
         )
-        if forecast is not None:
-            calibrated = controller.observe(forecast, budget, accept.accept_len, selector.nested)
-        else:
-            controller.observe_committed(budget, accept.accept_len)
-            if selector.nested:  # the DDTree at its budget: its nodes' probabilities calibrate
-                calibrated = controller.observe_held(
-                    rows, tree.logprobs, tree.depths, tree.valid, accept.accept_len
-                )
-        timer.mark("observe")
-        forwards = 1
     else:
-        controller.choose(None, bs)
         forwards = PLAIN_FORWARDS if plain_forwards is None else plain_forwards
         tree, accept, logits = _plain(
             backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer
         )
+    nested = selector is not None and selector.nested
+    outcome = StepOutcome(plan, rows, budget, tree, accept.accept_len, forecast, forwards, nested)
+    calibrated = controller.outcome(outcome, start if time_step else None)
+    if plan.draft:
+        timer.mark("observe")
     timer.end_step(bs)
-    if time_step:
-        elapsed = time.perf_counter() - start
-        controller.record_step(bs, budget, elapsed, drafted, forecast is not None, forwards)
+    return _result(outcome, accept, topk_logprobs, logits, calibrated)
+
+
+def _draft(backend, selector, bonus, prefix_lens, plan, timer):
+    """The drafter's top-K ``[bs, D, K]`` log-probs and tokens for a tree of ``plan.width``
+    nodes at most."""
+    topk = _draft_topk(selector, plan.width)
+    drafted = backend.draft_topk(bonus, prefix_lens, topk, plan.width)
+    timer.mark("draft")
+    return drafted
+
+
+def _result(outcome: StepOutcome, accept, topk_logprobs, logits, calibrated) -> StepResult:
+    tree = outcome.tree
     path_width = min(tree.max_depth, tree.budget) + 1  # P
     return StepResult(
         tree,
@@ -286,12 +278,12 @@ def decode_step(
         accept.accept_len + 1,
         accept.committed_tokens[:, :path_width],
         topk_logprobs,
-        budget,
-        forecast is not None,
+        outcome.budget,
+        outcome.forecast is not None,
         logits,
-        forwards,
+        outcome.forwards,
         calibrated,
-        controller.reason,
+        outcome.plan.reason,
     )
 
 
@@ -358,7 +350,7 @@ def _draft_topk(selector: TreeSelector, width: int) -> int:
     return max(1, min(selector.topk, width))
 
 
-def _largest_tree(selector, budget, topk_logprobs, topk_tokens, bonus) -> DraftTree:
+def _largest_tree(selector, topk_logprobs, topk_tokens, bonus, budget) -> DraftTree:
     """The tree the forecast reads: the selector's own at ``budget`` when its smaller trees
     nest in it (DDTree), else the DDTree (a grafted tree's log-probs are not acceptance
     estimates)."""
@@ -367,9 +359,12 @@ def _largest_tree(selector, budget, topk_logprobs, topk_tokens, bonus) -> DraftT
     return build_ddtree(topk_logprobs, topk_tokens, budget, validate=False, prune=selector.prune)
 
 
-def _tree_at(budget, largest, forecast, selector, topk_logprobs, topk_tokens, bonus) -> DraftTree:
-    """The step's ``[bs, budget]`` tree: the top nodes of ``largest`` for DDTree (no second
-    build, no second ranking), the selector's own at ``budget`` otherwise."""
+def _tree_at(
+    forecast: Forecast, largest: DraftTree, selector, topk_logprobs, topk_tokens, bonus
+) -> DraftTree:
+    """The step's ``[bs, budget]`` tree at the forecast's budget: the top nodes of ``largest``
+    for DDTree (no second build, no second ranking), the selector's own otherwise."""
+    budget = forecast.budget
     if budget == 0:
         return empty_tree(largest.batch_size, largest.device)
     if selector.nested:
@@ -401,9 +396,6 @@ AUTO_OVERRIDES: dict[str, tuple[str, Callable[[str], object]]] = {
     "decay": ("choice_decay", float),
     "explore": ("explore_every", int),
     "margin": ("explore_margin", float),
-    "full": ("full_forecast_every", int),
-    "below": ("explore_below_best", _flag),
-    "near": ("profile_neighbours", _flag),
     "stale": ("explore_stale_neighbours", _flag),
 }
 
@@ -437,42 +429,18 @@ def make_controller(
     overrides: dict[str, object] | None = None,
 ) -> BudgetController:
     """The budget controller of a :class:`TreeConfig`: fixed at ``config.budget``, or (auto)
-    choosing among ``config.budgets`` with ``latency`` (profiled in-line for the first steps of
-    every profiled batch-size bucket, each cell 3 steps: every candidate in the first bucket,
-    the contenders in the others (``EXPLORE_MARGIN``); every 32nd drafted step
-    then re-measures the stalest contender (``EXPLORE_MARGIN``; the best's neighbours while
-    stale, ``EXPLORE_STALE_NEIGHBOURS``) for ``EXPLORE_STEPS`` steps;
-    a choice holds for ``HOLD_STEPS`` drafted steps; the choice reads each request's average
-    forecast (``CHOICE_DECAY``) and a larger budget must beat the best smaller one by
-    ``TIE_RTOL``; ``HARD_PLAIN_STEPS`` plain steps follow a forecast that prefers them while
-    drafting pays on average, recently or over ``PLAIN_LONG_DECAY``'s long run). ``overrides``:
-    auto's fields a policy string sets instead (:func:`auto_overrides`; its ``latency`` fields
-    set ``latency``'s config)."""
+    choosing among ``config.budgets`` with ``latency`` under the shipped auto values
+    (``control.AUTO``, :class:`ControlConfig`'s defaults). ``overrides``: auto's fields a
+    policy string sets instead (:func:`auto_overrides`; its ``latency`` fields set
+    ``latency``'s config)."""
     if not config.auto:
         fixed = ControlConfig(budgets=(config.budget,), fixed_budget=config.budget)
         return BudgetController(fixed, None, max_slots, device)
-    auto = ControlConfig(
-        budgets=config.budgets,
-        max_depth=max_depth,
-        profile_steps=3,
-        explore_every=32,
-        explore_steps=EXPLORE_STEPS,
-        explore_margin=EXPLORE_MARGIN,
-        explore_inverted=EXPLORE_INVERTED,
-        explore_stale_neighbours=EXPLORE_STALE_NEIGHBOURS,
-        forget_after=FORGET_AFTER,
-        hold_steps=HOLD_STEPS,
-        hold_max_steps=HOLD_MAX_STEPS,
-        tie_rtol=TIE_RTOL,
-        choice_decay=CHOICE_DECAY,
-        hard_plain_steps=HARD_PLAIN_STEPS,
-        plain_long_decay=PLAIN_LONG_DECAY,
-        held_observe_every=HELD_OBSERVE_EVERY,
-    )
     fields = dict(overrides or {})
     if "latency" in fields:
         latency.config = replace(latency.config, **fields.pop("latency"))
-    return BudgetController(replace(auto, **fields), latency, max_slots, device)
+    auto = ControlConfig(budgets=config.budgets, max_depth=max_depth, **fields)
+    return BudgetController(auto, latency, max_slots, device)
 
 
 def make_selector(

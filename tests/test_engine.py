@@ -246,10 +246,10 @@ def test_auto_budget_changes_budgets_not_tokens():
         drafted += sum(b > 0 for r in results for b in r.stats.budgets)
     assert served == {0, 4, 8, 16}, served
     # Every drafted request-step is counted (forecast, held, profiled or explored alike; held
-    # ones calibrate one in step.HELD_OBSERVE_EVERY).
+    # ones calibrate one in AUTO["held_observe_every"]).
     assert auto.controller.stats().request_steps == drafted
     # A random drafter is no use: once profiled, auto decodes plainly (and drafts to probe;
-    # a forecast that errs on a step-time cell measured under load drafts for HOLD_STEPS).
+    # a forecast that errs on a step-time cell measured under load drafts for AUTO["hold_steps"]).
     assert Counter(results[0].stats.budgets).most_common(1)[0][0] == 0
 
 

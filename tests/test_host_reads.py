@@ -12,7 +12,7 @@ with the batched device builder the GPU uses (``prune=False``; the CPU's pruned 
 scores back by design). Checked, after a warm-up (cached index tables are built once): the
 step's own code -- budget choice, DDTree, verify layout, acceptance, the selector's learning,
 budget control's update -- reads nothing at a fixed budget, and under budget control only the
-controller's one read per forecast (``control/controller``). The backends' methods (the
+controller's one read per forecast (``control/totals``). The backends' methods (the
 engine's transformers models here; SGLang's worker on a server) are not checked.
 """
 
@@ -130,5 +130,5 @@ def test_a_fixed_budget_step_reads_nothing_back(pair, monkeypatch):
 
 def test_budget_control_reads_once_per_forecast_and_nowhere_else(pair, monkeypatch):
     reads = steady_reads(pair, monkeypatch, budget=32, auto=True)
-    assert all(site.startswith("control/controller.py:") for site in reads.sites), reads.sites
+    assert all(site.startswith("control/totals.py:") for site in reads.sites), reads.sites
     assert 0 < sum(reads.sites.values()) <= reads.steps

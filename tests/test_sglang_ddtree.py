@@ -33,8 +33,7 @@ from hostile_requests import assert_refused_and_still_serving, constrained_reque
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from sglang_tree_spec import step
-from sglang_tree_spec.control import REASONS
+from sglang_tree_spec.control import AUTO, REASONS
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
 from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
@@ -435,7 +434,7 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int], nested: 
     """``--enable-metrics``: the DDTREE series count exactly one lone request's decode steps
     (SGLang's own ``spec_verify_ct``), its drafted steps' accepted draft tokens, the predicted
     ones of the steps that calibrate (forecast steps, and with a ``nested`` DDTree one held step
-    in ``step.HELD_OBSERVE_EVERY``; a grafted tree's held steps do not) and its timed step
+    in ``ControlConfig.held_observe_every``; a grafted tree's held steps do not) and its timed step
     periods."""
     before = ddtree_metrics(server.base_url)
     reply = server.generate(prompt, max_new_tokens=40, ignore_eos=True)
@@ -453,7 +452,7 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int], nested: 
         assert 0 < delta["calibrated_requests_total"] and delta["verified_requests_total"] > 0
         # a prediction is never exact on every step (its gap's interval: the squared errors)
         assert delta["calibrated_squared_error_total"] > 0
-    if nested and delta["verified_requests_total"] >= step.HELD_OBSERVE_EVERY:
+    if nested and delta["verified_requests_total"] >= AUTO["held_observe_every"]:
         assert delta["predicted_accept_tokens_total"] > 0
     # step times are periods from one decode step's start to the next: the last step's period
     # ends at the next prefill and is not one
@@ -467,7 +466,7 @@ def assert_metrics_count_one_request(server: Server, prompt: list[int], nested: 
 def test_plain_steps_of_two_forwards_equal_no_speculation(
     pair, prompts, baseline, offline_target, tmp_path_factory
 ):
-    """``--speculative-ddtree-budget 0``: every decode step is plain, ``step.PLAIN_FORWARDS``
+    """``--speculative-ddtree-budget 0``: every decode step is plain, ``control.PLAIN_FORWARDS``
     (2) target forwards, the second at the batch's lengths + 1 in the KV slot after the
     first's. Greedy equals no speculation one at a time and eight at once (31 tokens after
     the prefill's: the last step's second token is cut at the length limit), stop tokens and
@@ -492,7 +491,7 @@ def test_auto_budget_equals_no_speculation_and_every_fixed_budget(
     seeded sample equals the fixed budgets' and the target alone's. ``SGLANG_TREE_SPEC_STEP_LOG``
     writes a line per decode step: held, forecast and plain steps at the candidates, with their
     phases under ``SGLANG_TREE_SPEC_STEP_TIMES``, the calibrated steps (one drafted step in
-    ``step.HELD_OBSERVE_EVERY``; a grafted tree's forecast steps, every one) with their
+    ``ControlConfig.held_observe_every``; a grafted tree's forecast steps, every one) with their
     predicted and accepted draft tokens, and why each step has its budget. Under
     ``SGLANG_TREE_SPEC_PIN_BUDGET`` a request pins its batch's budget to one of the candidates
     (the benchmark's ``ddtree:auto/N``): those steps run that budget alone, logged apart, and

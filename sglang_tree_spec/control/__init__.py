@@ -20,13 +20,13 @@ shape): N* = argmax_N sum_i (1 + A_i(N)) / C(bs, N), ties toward the smaller N.
   neighbouring batch sizes, else a roofline prior under an online linear calibration; host
   floats, ``record(bs, N, seconds)``.
 * Budget 0 is a plain decode step (no drafter; C(bs, 0) is per target forward, a step may run
-  several); once a step's forecast chooses 0 and the
-  drafted steps' decayed averages (every drafted step's committed tokens per request against
-  its cost in plain forwards; a recent and a long-run one) say drafting does not pay either,
-  the steps skip drafting and re-draft to re-forecast after ``probe_every`` steps, the interval
-  doubling (up to ``probe_max_every``) while drafting still does not pay.
+  several).
+* Policies (:mod:`.policies`): the start-up profile, plain runs probed at growing intervals,
+  explorations of stale cells and holds of a choice, each a small object behind one protocol;
+  their shipped values are one table (:mod:`.presets`) read by :class:`ControlConfig`.
 
-Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``)::
+Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indices``), the
+decode step's three calls (:func:`sglang_tree_spec.step.decode_step`)::
 
     ctl = BudgetController(
         ControlConfig(budgets=candidate_budgets(max_budget), max_depth=block - 1),
@@ -34,41 +34,24 @@ Per step (``rows``: ``[bs]`` int64 request slots, e.g. SGLang's ``req_pool_indic
         max_slots=pool_size, device=device)            # ControlConfig(fixed_budget=32): fixed
     ctl.reset(new_rows)                                  # a request arrived in these slots
     t0 = time.perf_counter()
-    drafted = ctl.should_draft(bs)                       # host, no sync
-    held = ctl.held_budget(bs) if drafted else None      # fixed, or a held auto choice
-    if held is not None:                                 # as a fixed budget: no forecast
-        fc, n, tree_n = None, held, build_ddtree(lp, tok, held)
-    elif drafted:
-        tree = build_ddtree(lp, tok, ctl.tree_budget(bs))  # [bs, width]: draft that deep
-        fc = ctl.forecast(rows, tree.logprobs, tree.depths, tree.valid)   # sync-free
-        n = ctl.choose(fc, bs)                           # host int: THE one host read
-        tree_n = top_nodes(tree, n, fc.slots) if n > 0 else None  # the optimal n-tree
-    else:
-        fc, n = None, ctl.choose(None, bs)               # 0: plain decode step
-    ... verify tree_n (or the bonus token alone), accept -> result.accept_len [bs] ...
-    if fc is not None:                                   # sync-free calibration update, on
-        ctl.observe(fc, n, result.accept_len)            # the drafted steps' stride
-    elif held:                                           # the DDTree at n, no ranking
-        ctl.observe_committed(n, result.accept_len)      # sync-free: the drafting-pays sums
-        ctl.observe_held(rows, tree_n.logprobs, tree_n.depths, tree_n.valid, result.accept_len)
-    ... the step's own end-of-step sync (committing tokens) ...
-    ctl.record_step(bs, n, time.perf_counter() - t0, drafted, fc is not None)  # host
+    plan = ctl.plan(bs)                                  # host, no sync
+    if plan.forecasts:                                   # draft plan.width deep; one tree
+        tree = build_ddtree(lp, tok, plan.width)         # [bs, width]
+        forecast = ctl.resolve(plan, rows, tree)         # THE one host read
+        n, tree_n = forecast.budget, top_nodes(tree, forecast.budget, forecast.slots)
+    elif plan.draft:                                     # fixed, or a held auto choice
+        forecast, n, tree_n = None, plan.budget, build_ddtree(lp, tok, plan.budget)
+    ... verify tree_n (or plain forwards), accept -> result.accept_len [bs] ...
+    ctl.outcome(StepOutcome(plan, rows, n, tree_n, result.accept_len, forecast, 1, True), t0)
     ctl.stats()                                          # every K steps, for logs / metrics
 
-Fixed mode (``ControlConfig(fixed_budget=N)``) goes through the same calls, returns N from
-``held_budget`` (or 0 from ``choose`` when N = 0) with no host read, and needs no latency model.
-Auto's choice holds for ``hold_steps`` drafted steps of the same batch (``held_budget``).
+Fixed mode (``ControlConfig(fixed_budget=N)``) goes through the same calls with no host read
+and needs no latency model.
 """
 
 from sglang_tree_spec.control.calibration import AcceptCalibrator, CalibrationConfig
-from sglang_tree_spec.control.controller import (
-    REASONS,
-    BudgetController,
-    ControlConfig,
-    ControlStats,
-    Forecast,
-    best_budget,
-)
+from sglang_tree_spec.control.config import REASONS, ControlConfig
+from sglang_tree_spec.control.controller import BudgetController, best_budget
 from sglang_tree_spec.control.latency import (
     DEFAULT_BS_BUCKETS,
     DEVICES,
@@ -83,6 +66,9 @@ from sglang_tree_spec.control.latency import (
     layer_params,
     roofline_step_seconds,
 )
+from sglang_tree_spec.control.plan import Forecast, StepOutcome, StepPlan
+from sglang_tree_spec.control.policies import Explorations, Holds, PlainRuns, Policy, Profile
+from sglang_tree_spec.control.presets import AUTO, PLAIN_FORWARDS
 from sglang_tree_spec.control.surrogate import (
     DEFAULT_BUDGETS,
     RankedNodes,
@@ -92,12 +78,15 @@ from sglang_tree_spec.control.surrogate import (
     rank_nodes,
     top_nodes,
 )
+from sglang_tree_spec.control.totals import ControlStats
 
 __all__ = [
+    "AUTO",
     "DEFAULT_BS_BUCKETS",
     "DEFAULT_BUDGETS",
     "DEVICES",
     "MODEL_SHAPES",
+    "PLAIN_FORWARDS",
     "REASONS",
     "AcceptCalibrator",
     "BudgetController",
@@ -105,11 +94,18 @@ __all__ = [
     "ControlConfig",
     "ControlStats",
     "DeviceSpec",
+    "Explorations",
     "Forecast",
+    "Holds",
     "LatencyConfig",
     "LatencyModel",
     "ModelShape",
+    "PlainRuns",
+    "Policy",
+    "Profile",
     "RankedNodes",
+    "StepOutcome",
+    "StepPlan",
     "best_budget",
     "candidate_budgets",
     "dflash_drafter",

@@ -3,7 +3,7 @@
 C(bs, N) is the wall time of one whole decode step of a batch of ``bs`` requests at budget N:
 for N > 0 the drafter forward, the tree and a target forward over bs * (N + 1) tokens; for
 N = 0 one plain target forward (no drafter, bs tokens): a plain step runs several
-(``step.PLAIN_FORWARDS``), one token a request each, and is recorded per forward.
+(``control.PLAIN_FORWARDS``), one token a request each, and is recorded per forward.
 
 Prior (BASTION appendix F, simplified to the dominant terms), per forward of ``tokens`` tokens of
 ``bs`` requests at context ``c``:
@@ -400,7 +400,7 @@ class LatencyModel:
         """How a row's measured cells compare with what its neighbours predict for them
         (:meth:`_unmeasured`; geometric mean; 1 with none): its unmeasured cells are scaled
         by it, so they keep their columns' ratios to the measured ones. A bucket that profiles
-        its contenders alone (``BudgetController._to_profile``) measures some cells; read as
+        its contenders alone (``policies.Profile``) measures some cells; read as
         its neighbours' costs, the others looked as much cheaper as the bucket costs more
         than its neighbours predict, and were chosen for it."""
         if not measured:

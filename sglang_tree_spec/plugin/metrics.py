@@ -11,8 +11,8 @@ where the worker runs, appear on the same endpoint with no hook. Published from 
   drafted request-steps and the accepted draft tokens over them (exact).
 * ``sglang:ddtree_calibrated_requests_total``, ``sglang:ddtree_predicted_accept_tokens_total``,
   ``sglang:ddtree_calibrated_accepted_tokens_total`` (auto): the request-steps the calibration
-  learnt from (one drafted step's in ``step.HELD_OBSERVE_EVERY``, forecast or held, counting
-  for its stride), the calibrated predicted accepted draft tokens over them and their
+  learnt from (one drafted step's in ``ControlConfig.held_observe_every``, forecast or held,
+  counting for its stride), the calibrated predicted accepted draft tokens over them and their
   observed ones: predicted / calibrated accepted is the mean predicted / observed accept length
   over any window, on the same steps (a grafted tree, ``--speculative-ddtree-graft``, is not
   a nested DDTree: its held steps do not calibrate, and the sample is every forecast step).

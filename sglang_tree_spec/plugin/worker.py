@@ -451,7 +451,7 @@ def _define_worker() -> type:
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
             rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
-            plain_forwards = None  # step.PLAIN_FORWARDS
+            plain_forwards = None  # control.PLAIN_FORWARDS
             if any(penalised(req.sampling_params) for req in batch.reqs):
                 plain_forwards = 1  # the host requests' penalty state lacks forward 1's token
                 # req.output_ids lacks the previous step's tokens under overlap: the device
