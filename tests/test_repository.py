@@ -21,9 +21,12 @@ def readme_commands() -> list[str]:
 
 
 def test_ci_runs_the_readme_test_command_as_written():
-    test_command = next(c for c in readme_commands() if "pytest" in c)
+    test_command = next(c for c in readme_commands() if "launch/run-tests.sh" in c)
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
     assert test_command in ci_lines
+    script = (ROOT / "launch/run-tests.sh").read_text()
+    assert ".venv/bin/ruff check ." in script
+    assert ".venv/bin/python -m pytest" in script and ".venv-0.5.23/bin/python -m pytest" in script
 
 
 def test_readme_run_command_is_the_serving_benchmark_and_its_arguments_parse():

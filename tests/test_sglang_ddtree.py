@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 
 from sglang_tree_spec.control import AUTO, REASONS
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin.step_clock import SKEW_ENV
 from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
     ServerStartError,
@@ -45,6 +46,7 @@ from sglang_tree_spec.server_process import (
     stop,
     wait_until_healthy,
 )
+from sglang_tree_spec.step_times import LOG_ENV_FLAG
 from sglang_tree_spec.tree import counter_uniforms, target_probs
 
 PROMPT_COUNT = 24
@@ -620,35 +622,64 @@ def test_a_token_map_drafts_from_its_ids_and_changes_no_token(
             pass
 
 
-def test_ddtree_at_tp2_equals_no_speculation_at_tp2(pair, prompts, tmp_path_factory, monkeypatch):
+def _tp_replies(pair, prompts, log, budget, tp, extra=(), mode=None) -> list[dict]:
+    """12 prompts, 4 at once, on a CPU server at ``--tp-size tp`` (one core per rank)."""
+    cores = "|".join(str(rank) for rank in range(tp))  # SGLang's CPU core binding per rank
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_CPU_OMP_THREADS_BIND", cores)
+        command = [*server_command(pair, free_port(), budget, mode), "--tp-size", str(tp)]
+        for server in running_server([*command, *extra], log):
+            with ThreadPoolExecutor(4) as pool:
+                return list(pool.map(server.generate, prompts[:12]))
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def none_tp2(pair, prompts, tmp_path_factory) -> list[list[int]]:
+    """No speculation at TP 2 (TP changes the float reduction order, so TP 1 is not the
+    reference for a TP 2 server)."""
+    log = tmp_path_factory.mktemp("none-tp2") / "server.log"
+    return [r["output_ids"] for r in _tp_replies(pair, prompts, log, None, 2)]
+
+
+def test_ddtree_at_tp2_equals_no_speculation_at_tp2(pair, prompts, none_tp2, tmp_path_factory):
     """``--tp-size 2`` on CPU (gloo groups, one core per rank): the drafter's top-K is merged
     from the two vocabulary shards of the target's LM head. Grafted DDTREE output equals the
-    no-speculation TP 2 server's (TP changes the float reduction order, so TP 1 is not the
-    reference), 4 requests at once; and it needs about as few verify steps as the same DDTREE
-    at TP 1 (a top-K that missed a shard would draft worse, not differently)."""
+    no-speculation TP 2 server's, 4 requests at once; and it needs about as few verify steps
+    as the same DDTREE at TP 1 (a top-K that missed a shard would draft worse, not
+    differently)."""
     graft = ["--speculative-ddtree-graft", "unified"]
-    runs = {"none-tp2": (None, 2), "ddtree-tp2": (8, 2), "ddtree-tp1": (8, 1)}
     replies, logs = {}, {}
-    for name, (budget, tp) in runs.items():
-        cores = "|".join(str(rank) for rank in range(tp))  # SGLang's CPU core binding per rank
-        monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", cores)
+    for name, tp in (("ddtree-tp2", 2), ("ddtree-tp1", 1)):
         logs[name] = tmp_path_factory.mktemp(name) / "server.log"
-        command = [*server_command(pair, free_port(), budget), "--tp-size", str(tp)]
-        command += graft if budget else []
-        for server in running_server(command, logs[name]):
-            with ThreadPoolExecutor(4) as pool:
-                replies[name] = list(pool.map(server.generate, prompts[:12]))
-    outputs = {name: [r["output_ids"] for r in replies[name]] for name in runs}
-    assert outputs["ddtree-tp2"] == outputs["none-tp2"]
-    steps = {
-        name: sum(r["meta_info"]["spec_verify_ct"] for r in replies[name])
-        for name in ("ddtree-tp2", "ddtree-tp1")
-    }
+        replies[name] = _tp_replies(pair, prompts, logs[name], 8, tp, graft)
+    assert [r["output_ids"] for r in replies["ddtree-tp2"]] == none_tp2
+    steps = {name: sum(r["meta_info"]["spec_verify_ct"] for r in replies[name]) for name in logs}
     assert steps["ddtree-tp2"] < 0.6 * 12 * NEW_TOKENS
     assert steps["ddtree-tp2"] <= 1.1 * steps["ddtree-tp1"]
     log = logs["ddtree-tp2"].read_text()
     for rank in ("TP0", "TP1"):
         assert re.search(rf"{rank}\] DDTREE worker: .* over 2 vocabulary shard\(s\)", log)
+
+
+def test_auto_at_tp2_chooses_one_budget_on_every_rank(
+    pair, prompts, none_tp2, tmp_path_factory, monkeypatch
+):
+    """Budget control at TP 2 with rank 1's step clock skewed (20 ms slow a tree node, the
+    test switch ``step_clock.SKEW_ENV``): both ranks learn from rank 0's step times, so they
+    choose the same budget every step (different budgets are mismatched collectives, a hang
+    on NCCL), auto does choose among budgets, and the output equals no speculation at TP 2."""
+    steps = tmp_path_factory.mktemp("auto-tp2-steps")
+    monkeypatch.setenv(SKEW_ENV, "1:0.02")
+    monkeypatch.setenv(LOG_ENV_FLAG, str(steps))
+    log = tmp_path_factory.mktemp("auto-tp2") / "server.log"
+    replies = _tp_replies(pair, prompts, log, 32, 2, mode="auto")
+    assert [r["output_ids"] for r in replies] == none_tp2
+    logs = sorted(steps.glob("steps_auto_*.csv"))
+    assert len(logs) == 2  # one per rank
+    budgets = [[row["budget"] for row in csv.DictReader(path.open())] for path in logs]
+    assert budgets[0] == budgets[1]
+    assert len(set(budgets[0])) > 1
 
 
 def test_engine_in_process_serves_ddtree(pair, prompts, baseline):

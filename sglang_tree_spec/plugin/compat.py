@@ -64,6 +64,7 @@ _COMMON_INTERNALS = (
     "sglang.srt.model_executor.model_runner.ModelRunner.forward",
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
     "sglang.srt.distributed.get_tp_group",
+    "sglang.srt.distributed.parallel_state.GroupCoordinator.broadcast_object",
     "sglang.srt.managers.scheduler.GenerationBatchResult",
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch",

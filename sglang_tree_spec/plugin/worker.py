@@ -48,6 +48,7 @@ from sglang_tree_spec.plugin.metrics import DDTreeMetrics
 from sglang_tree_spec.plugin.penalties import batch_penalties, penalised
 from sglang_tree_spec.plugin.pending import RecentOutputs
 from sglang_tree_spec.plugin.samples import SampleNumbers, sample_index, sample_seed
+from sglang_tree_spec.plugin.step_clock import StepClock
 from sglang_tree_spec.plugin.validation import tree_config
 from sglang_tree_spec.step import (
     Sampling,
@@ -159,6 +160,7 @@ def _define_worker() -> type:
             # Token ids the target can emit (its LM head may carry padding rows beyond them).
             self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
             self.tp_group = get_tp_group()  # the LM head's vocabulary is split over its ranks
+            self._clock = StepClock(self.tp_group, self.config.auto)  # one clock for all ranks
             self.selector = make_selector(self.config, self.vocab_size, self.device)
             if self.device == "cpu" and cpu_verify_graphs_requested():
                 self.selector = closure_tree_graphs(self.selector)
@@ -523,12 +525,13 @@ def _define_worker() -> type:
             if self._open_step is not None:
                 (controller, step_log, bs, budget, drafted, forecast, forwards, committed,
                  calibrated, phases, reason, start) = self._open_step  # fmt: skip
-                controller.record_step(bs, budget, now - start, drafted, forecast, forwards)
+                elapsed = self._clock.elapsed(now - start, budget)
+                controller.record_step(bs, budget, elapsed, drafted, forecast, forwards)
                 if step_log is not None:
                     tokens = int(committed.sum())
                     sums = None if calibrated is None else calibrated.tolist()
                     step_log.write(
-                        bs, budget, drafted, forecast, forwards, tokens, now - start, phases, sums,
+                        bs, budget, drafted, forecast, forwards, tokens, elapsed, phases, sums,
                         reason,
                     )  # fmt: skip
             return now
