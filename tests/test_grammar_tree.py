@@ -183,3 +183,21 @@ def test_masked_logits_equal_xgrammars_kernel(backend):
     apply_token_bitmask(logits, mask)
     assert torch.equal(logits, expected)
     assert bool(torch.isinf(logits[0]).any()) and not bool(torch.isinf(logits[1]).any())
+
+
+def test_constrained_requests_are_refused_only_where_sglang_cannot_serve_them():
+    """0.5.17's xgrammar backend needs a GPU: refused on a CPU there, served elsewhere."""
+    from types import SimpleNamespace
+
+    from sglang_tree_spec.plugin import compat
+    from sglang_tree_spec.plugin.validation import constrained_decoding_error
+
+    fields = dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"))
+    schema = SimpleNamespace(**{**fields, "json_schema": "{}"})
+    on_cpu = constrained_decoding_error(schema, "cpu")
+    if compat.is_release("0.5.17"):
+        assert on_cpu.startswith("DDTREE ") and "(json_schema)" in on_cpu
+    else:
+        assert on_cpu is None
+    assert constrained_decoding_error(schema, "cuda") is None
+    assert constrained_decoding_error(SimpleNamespace(**fields), "cpu") is None
