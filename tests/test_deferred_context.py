@@ -165,3 +165,19 @@ def test_a_buffer_is_kept_only_when_it_is_small():
     assert DeferredContext.for_pool(2048, 5 * 4096 * 2) is None  # a large GPU pool
     with pytest.raises(ValueError, match="capacity"):
         DeferredContext(4, 1)
+
+
+def test_a_request_without_a_row_has_nothing_pending():
+    """A request SGLang finished after scheduling the batch (a grammar batch under overlap)
+    has no row: its plain-step token is not kept, and the other rows' are."""
+    deferred = DeferredContext(rows=4, cap=4)
+    rows_dev = torch.tensor([1, 2])
+    hidden = torch.arange(6, dtype=torch.float32).view(2, 3)
+    assert not deferred.is_full([1, None])
+    deferred.stash([1, None], rows_dev, torch.tensor([5, 7]), hidden)
+    assert deferred.pending([1, None, 2]) == [1, 0, 0]
+    taken = deferred.take([1, None], rows_dev, torch.tensor([6, 8]))
+    assert taken is not None and taken[2].tolist() == [1, 0]
+    assert torch.equal(taken[0][0, 0], hidden[0])
+    deferred.reset([None, 1])
+    assert deferred.pending([1]) == [0]

@@ -15,7 +15,9 @@ KV-cache code, which dispatch on ``is_*()`` / ``supports_*()`` instead of on nam
   as SGLang does for its own algorithms, and for a verify window shorter than the drafter's
   block), with a warning saying why.
 * No EAGLE top-k relay, no draft hidden states across disaggregation, no ragged verify, no
-  grammar overlap.
+  grammar overlap (SGLang processes a grammar batch's previous result before the batch runs,
+  so the worker masks each tree node from grammars that hold every committed token:
+  :mod:`.grammar`).
 
 SGLang 0.5.17's ``CustomSpecAlgo`` lacks three methods its scheduler calls on every
 speculative algorithm (``create_future_map``, ``carries_draft_hidden_states``, ``need_topk``);

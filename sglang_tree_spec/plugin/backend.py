@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin.grammar import constrained, mask_verify_logits
 from sglang_tree_spec.tree import (
     VerifyLayout,
     topk_from_logits,
@@ -73,6 +74,7 @@ class SGLangBackend:
         self._verified = 0  # verifies so far: a plain step's forward i caches i more tokens
         # The batch's penalty state for a vocabulary size (None: no request is penalised).
         self.penalties: Callable[[int, torch.device], TreePenalties | None] | None = None
+        self.constrained = constrained(batch.reqs)  # a grammar masks some request's slots
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         """``[bs, n]`` KV slots reserved at ``positions [bs, n]``."""
@@ -234,11 +236,22 @@ class SGLangBackend:
                 state,
                 int(worker.block_size) - 1,
             )
+        if self.constrained:  # the root's one-token mask would mask every slot alike
+            batch.sampling_info.grammar_mask = None
         if batch.sampling_info is not None:
             apply_dflash_verify_logits_adjustments(
                 next_token_logits=logits,
                 sampling_info=batch.sampling_info,
                 draft_token_num=window,
+            )
+        if self.constrained:  # each slot by the grammar state of its own path, after the bias
+            mask_verify_logits(
+                batch.reqs,
+                logits,
+                layout.tokens,
+                layout.ancestor_mask,
+                layout.positions - prefix_lens[:, None],
+                int(batch.sampling_info.vocab_size),
             )
         return logits.view(bs, window, -1)
 

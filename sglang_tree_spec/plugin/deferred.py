@@ -10,7 +10,9 @@ positions, written once per run of plain steps instead of once per step.
 
 Only the rows of the batch being served are ever written: a request that finished (or was
 retracted) with tokens pending leaves them unwritten, its slots may already hold another
-request's KV, and its row starts empty again at its next prefill (:meth:`reset`).
+request's KV, and its row starts empty again at its next prefill (:meth:`reset`). A request
+SGLang finished after scheduling the batch (a grammar batch under overlap processes the previous
+result first) has no row any more (``None``): nothing is pending or kept for it.
 
 Pending tokens are always the newest of their request: a row with ``n`` pending tokens and
 ``prefix`` cached tokens has them at positions ``prefix - n .. prefix - 1``, stored at
@@ -46,18 +48,19 @@ class DeferredContext:
         cap = min(MAX_PENDING, MAX_BUFFER_BYTES // max(rows * hidden_bytes, 1))
         return cls(rows, cap) if cap >= 2 else None
 
-    def reset(self, rows: list[int]) -> None:
+    def reset(self, rows: list[int | None]) -> None:
         """Rows starting a new request (a prefill): nothing pending."""
         for row in rows:
-            self.counts[row] = 0
+            if row is not None:
+                self.counts[row] = 0
 
-    def pending(self, rows: list[int]) -> list[int]:
+    def pending(self, rows: list[int | None]) -> list[int]:
         """Host: the pending tokens of each of ``rows``."""
-        return [self.counts[row] for row in rows]
+        return [0 if row is None else self.counts[row] for row in rows]
 
-    def is_full(self, rows: list[int]) -> bool:
+    def is_full(self, rows: list[int | None]) -> bool:
         """Host: some row of ``rows`` cannot take another token before a write."""
-        return any(self.counts[row] >= self.cap for row in rows)
+        return any(row is not None and self.counts[row] >= self.cap for row in rows)
 
     def stash(
         self,
@@ -74,7 +77,8 @@ class DeferredContext:
             self.hidden = torch.zeros(shape, dtype=hidden.dtype, device=hidden.device)
         self.hidden[rows_dev, prefix_lens % self.cap] = hidden
         for row in rows:
-            self.counts[row] += 1
+            if row is not None:
+                self.counts[row] += 1
 
     def take(
         self, rows: list[int], rows_dev: torch.Tensor, prefix_lens: torch.Tensor

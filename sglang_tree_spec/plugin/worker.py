@@ -411,8 +411,8 @@ def _define_worker() -> type:
                 return super().forward_batch_generation(
                     batch, on_publish, grammar_barrier, **kwargs
                 )
-            if batch.has_grammar:
-                raise NotImplementedError("DDTREE: grammar-constrained decoding is not supported")
+            if batch.has_grammar and grammar_barrier is not None:
+                grammar_barrier()  # the previous result's tokens into the grammars first
             return self._decode(batch, on_publish)
 
         def _prefill(self, batch: Any, on_publish: Any) -> Any:
@@ -454,6 +454,8 @@ def _define_worker() -> type:
             rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
             plain_forwards = None  # control.PLAIN_FORWARDS
+            if backend.constrained:  # the grammars are not past forward 1's token
+                plain_forwards = 1
             if any(penalised(req.sampling_params) for req in batch.reqs):
                 plain_forwards = 1  # the host requests' penalty state lacks forward 1's token
                 # req.output_ids lacks the previous step's tokens under overlap: the device
