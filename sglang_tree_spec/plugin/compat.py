@@ -94,7 +94,11 @@ _COMMON_INTERNALS = (
 )
 
 INTERNALS: dict[str, tuple[str, ...]] = {
-    "0.5.17": _COMMON_INTERNALS,
+    "0.5.17": (
+        *_COMMON_INTERNALS,
+        # server_args.py: DDTreeServerArgs overrides SGLang's default attention backend choice.
+        "sglang.srt.server_args.ServerArgs._get_default_attn_backend",
+    ),
     "0.5.23": (
         *_COMMON_INTERNALS,
         # 0.5.23 resolves the configuration into per-namespace bags (server_args.py).
