@@ -98,6 +98,14 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
     assert shapes == {(str(bs), str(b)) for bs in BATCH_SIZES for b in BUDGETS}, shapes
     assert "DDTREE verify ran eagerly" not in log  # every step was a replay
     assert "DDTREE tree builds: one graph per (batch size, budget) (closure replay)" in log
+    plan = re.search(
+        r"DDTREE capture plan: (\d+) shapes \(\d+ batch sizes .*\), [\d.]+ GiB: logits .* "
+        r"speculates up to batch size (\d+)",
+        log,
+    )
+    assert plan, "no capture plan at start-up"
+    assert int(plan.group(1)) == len(BATCH_SIZES) * len(BUDGETS)
+    assert int(plan.group(2)) >= max(BATCH_SIZES)  # the tiny pair fits any host
     assert NEW_TOKENS > 1
 
 

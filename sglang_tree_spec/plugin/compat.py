@@ -92,10 +92,16 @@ _COMMON_INTERNALS = (
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_cuda_graph_state",
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata_out_graph",
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata_in_graph",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.next_token_logits_buffer",
+    "sglang.srt.model_executor.graph_shared_output.GraphSharedOutput.get_logits_buffer",
 )
 
 INTERNALS: dict[str, tuple[str, ...]] = {
-    "0.5.17": _COMMON_INTERNALS,
+    "0.5.17": (
+        *_COMMON_INTERNALS,
+        # server_args.py: DDTreeServerArgs overrides SGLang's default attention backend choice.
+        "sglang.srt.server_args.ServerArgs._get_default_attn_backend",
+    ),
     "0.5.23": (
         *_COMMON_INTERNALS,
         # 0.5.23 resolves the configuration into per-namespace bags (server_args.py).
@@ -125,6 +131,11 @@ WORKER_ATTRIBUTES = (
 # graphs, plugin/graphs.py), read by the worker for the capture batch sizes of its tree graphs;
 # set (None until captured) in both tested releases' ``ModelRunner``.
 MODEL_RUNNER_GRAPH_RUNNER = "decode_cuda_graph_runner"
+
+# The target ``ModelRunner``'s shared graph output (``GraphSharedOutput``: one fp32 logits buffer
+# every graph runner of the process writes a view of), which DDTREE's verify graphs share where it
+# is large enough (graphs.py); set (None until captured) in both tested releases' ``ModelRunner``.
+MODEL_RUNNER_GRAPH_OUTPUT = "graph_shared_output"
 
 # Attributes of SGLang's scheduler ``Req`` the DDTREE worker and the finish hook (finish.py) read
 # (checked on a real Req by tests/test_compat.py).

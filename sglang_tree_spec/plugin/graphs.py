@@ -15,7 +15,15 @@ runner and ``DFlashVerifyInput.prepare_for_verify`` call (``can_run_graph``, ``l
   ``ForwardBatch`` per shape whose verify input carries the static mask buffer;
 * at each step copies the step's inputs into those buffers (padding the batch up to the
   captured size) and replays the shape: a ``torch.cuda.CUDAGraph`` on CUDA, the closure itself
-  on CPU, where nothing but the static buffers reaches it either.
+  on CPU, where nothing but the static buffers reaches it either;
+* keeps ONE set of outputs for every shape, sized for the largest, each shape writing a view of
+  it as SGLang's decode graph runner does: the fp32 logits (SGLang's shared graph output buffer
+  where the model runner has one large enough, through ``ForwardBatch.next_token_logits_buffer``)
+  and the hidden states the drafter reads, copied in by the captured forward; the rest of a
+  forward's memory returns to the graph pool, so a shape costs no output memory of its own;
+* captures batch sizes up to the speculation cap only (:mod:`.capture_plan`: the largest batch
+  whose buffers fit in a share of device memory); the worker runs larger batches as plain
+  steps. The plan is logged at start-up.
 
 On CPU SGLang captures no decode graph; with ``SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS=1`` the DDTREE
 worker builds this runner itself (closure replay) and its verify runs through it, which is how
@@ -29,6 +37,14 @@ import os
 from typing import Any
 
 import torch
+
+from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin.capture_plan import (
+    CAPTURE_SHARE,
+    GIB,
+    speculation_cap,
+    verify_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +84,17 @@ def ddtree_decode_graph_runner_cls(original: Any, model_runner: Any) -> type:
 
 
 class _Buffers:
-    """The static inputs of every captured shape (views of them, sliced per shape)."""
+    """The static inputs and outputs of every captured shape (views of them, sliced per shape);
+    ``logits``: the fp32 ``[max_bs * max_window, vocab]`` output buffer; the hidden-state
+    output is allocated at the first forward (its width is the model's capture)."""
 
-    def __init__(self, max_bs: int, max_window: int, max_context: int, device: Any) -> None:
+    def __init__(
+        self, max_bs: int, max_window: int, max_context: int, device: Any, logits: torch.Tensor
+    ) -> None:
         tokens = max_bs * max_window
+        self.tokens = tokens
+        self.logits = logits
+        self.hidden: torch.Tensor | None = None
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -101,24 +124,36 @@ class DDTreeVerifyGraphs:
             get_batch_sizes_to_capture,
         )
 
-        from sglang_tree_spec.plugin import compat
         from sglang_tree_spec.plugin.validation import tree_config
 
         self.model_runner = model_runner
         self.device = model_runner.device
         self.attn_backend = model_runner.attn_backend
+        server_args = compat.resolved(model_runner.server_args)
         if budgets is None:
-            budgets = tree_config(compat.resolved(model_runner.server_args)).budgets
+            budgets = tree_config(server_args).budgets
         self.windows = sorted({int(b) + 1 for b in budgets})
         if batch_sizes is None:
             batch_sizes, _ = get_batch_sizes_to_capture(model_runner, self.windows[-1])
-        self.capture_bs = sorted(set(batch_sizes))
-        self.max_bs = self.capture_bs[-1]
         self.replay_mode = replay or (
             "cuda" if torch.device(self.device).type == "cuda" else "closure"
         )
         self.max_context = int(model_runner.req_to_token_pool.req_to_token.shape[1])
-        self.buffers = _Buffers(self.max_bs, self.windows[-1], self.max_context, self.device)
+        shape = self._model_shape(server_args)
+        self.speculation_cap = speculation_cap(
+            [w - 1 for w in self.windows], device_memory(self.device), **shape
+        )
+        # Batches above the cap take plain steps (the worker); capture at least batch size 1.
+        self.capture_bs = sorted({b for b in batch_sizes if b <= self.speculation_cap}) or [1]
+        self.max_bs = self.capture_bs[-1]
+        self.plan = verify_plan(self.capture_bs, [w - 1 for w in self.windows], **shape)
+        self.buffers = _Buffers(
+            self.max_bs,
+            self.windows[-1],
+            self.max_context,
+            self.device,
+            self._logits_buffer(self.max_bs * self.windows[-1], shape["vocab"]),
+        )
         self.bs = self.max_bs  # the padded batch size of the last load (SGLang reads it)
         self._batches: dict[tuple[int, int], Any] = {}
         self._graphs: dict[tuple[int, int], Any] = {}
@@ -128,6 +163,34 @@ class DDTreeVerifyGraphs:
         self.eager_shapes: set[tuple[int, int]] = set()
         self.backend_plans = self._init_backend_graph_state()
         self.capture()
+
+    def _model_shape(self, server_args: Any) -> dict[str, int]:
+        """What the capture plan reads of the target: vocabulary, the hidden states captured
+        for the drafter (hidden size x the drafter's target layers), the tree mask's prefix
+        columns and the model's dtype."""
+        from sglang_tree_spec.plugin.validation import load_drafter
+
+        config = self.model_runner.model_config
+        drafter = load_drafter(
+            server_args.speculative_draft_model_path, server_args.speculative_draft_model_revision
+        )
+        return {
+            "vocab": int(config.vocab_size),
+            "hidden_width": int(config.hidden_size) * len(drafter.target_layer_ids),
+            "max_context": self.max_context,
+            "dtype_bytes": torch.finfo(config.dtype).bits // 8,
+        }
+
+    def _logits_buffer(self, rows: int, vocab: int) -> torch.Tensor:
+        """The fp32 ``[rows, vocab]`` logits output of every shape: SGLang's shared graph
+        output buffer (the one its decode and prefill graphs write) when the model runner has
+        one of ``rows`` rows, else the runner's own."""
+        shared = getattr(self.model_runner, compat.MODEL_RUNNER_GRAPH_OUTPUT, None)
+        if shared is not None and int(shared.max_rows) >= rows:
+            self.shares_sglang_logits = True
+            return shared.get_logits_buffer(vocab, rows=rows)
+        self.shares_sglang_logits = False
+        return torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
 
     def _init_backend_graph_state(self) -> bool:
         """The backend's buffers for captured metadata (triton, flashinfer; on a CPU too, under
@@ -187,17 +250,41 @@ class DDTreeVerifyGraphs:
             spec_info=spec_info,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             global_forward_mode=ForwardMode.TARGET_VERIFY,
+            next_token_logits_buffer=buf.logits[:tokens],  # the logits processor writes it
         )
 
     def _closure(self, forward_batch: Any) -> Any:
-        """The captured computation of one shape: reads ``forward_batch``'s static views only."""
+        """The captured computation of one shape: reads ``forward_batch``'s static views only
+        and writes its outputs into views of the shared static outputs."""
         model, backend = self.model_runner.model, self.attn_backend
 
         def run() -> Any:
             backend.init_forward_metadata_in_graph(forward_batch)
-            return model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            output = model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            return self._into_static_outputs(output, int(forward_batch.input_ids.shape[0]))
 
         return run
+
+    def _into_static_outputs(self, output: Any, tokens: int) -> Any:
+        """``output``'s logits and hidden states as views of the shared static outputs (the
+        logits processor has written the logits there already unless it could not, e.g. a
+        soft-capped or differently shaped result: then they are copied in)."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        buf = self.buffers
+        logits = buf.logits[:tokens]
+        if output.next_token_logits.data_ptr() != logits.data_ptr():
+            logits.copy_(output.next_token_logits)
+        hidden = output.hidden_states
+        if hidden is not None:
+            if buf.hidden is None:  # at the first (largest) shape's first forward
+                with torch.inference_mode(False):
+                    buf.hidden = torch.zeros(
+                        (buf.tokens, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device
+                    )
+            buf.hidden[:tokens].copy_(hidden)
+            hidden = buf.hidden[:tokens]
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
 
     def capture(self) -> None:
         """Capture every (batch size, window), largest first (smaller graphs share its pool)."""
@@ -237,6 +324,15 @@ class DDTreeVerifyGraphs:
             "CUDA graphs" if self.replay_mode == "cuda" else "closure replay",
             self.capture_bs,
             [w - 1 for w in self.windows],
+        )
+        logger.info(
+            "DDTREE capture plan: %s (logits %s); speculates up to batch size %d (%.0f%% of "
+            "%.1f GiB), plain steps above",
+            self.plan.line(),
+            "in SGLang's shared graph output" if self.shares_sglang_logits else "own buffer",
+            self.speculation_cap,
+            100 * CAPTURE_SHARE,
+            device_memory(self.device) / GIB,
         )
 
     def _seed_capture_inputs(self) -> None:
@@ -349,33 +445,23 @@ class DDTreeVerifyGraphs:
         )
 
     def replay_shape(self, key: tuple[int, int]) -> Any:
-        """One replay of shape ``key`` over the static buffers (one launch on CUDA): its
-        static output (CUDA) or the closure's (CPU)."""
+        """One replay of shape ``key`` over the static buffers (one launch on CUDA): views of
+        the shared static outputs, which the next replay of any shape overwrites. The closure
+        (CPU) writes them itself, as the graph does."""
         if self.replay_mode == "cuda":
             self._graphs[key].replay()
             return self._outputs[key]
-        fresh = self._graphs[key]()  # closure: into static outputs, as a CUDA graph writes
-        static = self._outputs.get(key)
-        if static is None:
-            static = self._outputs[key] = _cloned_output(fresh)
-        for name in ("next_token_logits", "hidden_states"):
-            value = getattr(fresh, name, None)
-            if value is not None:
-                getattr(static, name).copy_(value)
-        return static
+        return self._graphs[key]()
 
 
-def _cloned_output(output: Any) -> Any:
-    """A closure replay's static outputs: its first output's logits and hidden states, cloned
-    (later replays copy into them, so a caller keeping them past the next replay of the shape
-    reads the new values, as after a CUDA graph's replay)."""
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+def device_memory(device: Any) -> int:
+    """Total memory of ``device`` in bytes (a GPU's, or on CPU the host's)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
 
-    hidden = output.hidden_states
-    return LogitsProcessorOutput(
-        next_token_logits=output.next_token_logits.clone(),
-        hidden_states=None if hidden is None else hidden.clone(),
-    )
+    return int(psutil.virtual_memory().total)
 
 
 class _null:

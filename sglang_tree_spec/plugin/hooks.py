@@ -120,6 +120,12 @@ def _spec_relay_on_cpu() -> Callable[..., Any]:
     return spec_relay_on_cpu
 
 
+def _ddtree_default_attention_backend() -> Callable[..., str]:
+    from sglang_tree_spec.plugin.validation import around_default_attention_backend
+
+    return around_default_attention_backend
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -133,7 +139,8 @@ HOOKS: tuple[Hook, ...] = (
         make=_ddtree_server_args,
         patch="0001-server-args-ddtree-flags.diff",
         reason="add the --speculative-ddtree-* fields (CLI, Engine kwargs, config bags); the "
-        "class also carries DDTREE's KV reservation (diff 0010)",
+        "class also carries DDTREE's KV reservation (diff 0010) and, on 0.5.17, its default "
+        "attention backend (diff 0023)",
     ),
     Hook(
         target="sglang.srt.entrypoints.engine.Engine.server_args_class",
@@ -321,6 +328,15 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
     _BY_PATCH["0011-no-pynccl-for-gloo-groups.diff"],
     _BY_PATCH["0004-torch-native-target-verify.diff"],
     VERIFY_GRAPH_HOOK,
+    # 0.5.17's DDTreeServerArgs overrides the method that 0.5.23 made this module function.
+    Hook(
+        target="sglang.srt.arg_groups.overrides.get_default_attn_backend",
+        kind="AROUND",
+        make=_ddtree_default_attention_backend,
+        patch="0023-ddtree-default-attention-backend.diff",
+        reason="without --attention-backend SGLang picks fa3 on Hopper, whose target verify "
+        "ignores the tree mask; DDTREE then gets triton",
+    ),
 )
 
 HOOKS_BY_RELEASE: dict[str, tuple[Hook, ...]] = {"0.5.17": HOOKS, "0.5.23": HOOKS_0_5_23}

@@ -21,6 +21,7 @@ from sglang_tree_spec.plugin.validation import (
     DEFAULT_TABLE_PARTITIONS,
     GRAFT_CHOICES,
     TABLE_CHOICES,
+    default_attention_backend,
 )
 
 TOPK_HELP = (
@@ -111,6 +112,13 @@ if dataclasses.is_dataclass(_SGLangServerArgs):  # SGLang 0.5.17
             if self.speculative_algorithm == ALGORITHM and tokens is not None and block:
                 return max(tokens, int(block))
             return tokens
+
+        def _get_default_attn_backend(self, use_mla_backend: bool, model_config: Any) -> str:
+            """SGLang's default attention backend, or for DDTREE the one it verifies trees on
+            when SGLang's cannot (fa3 on Hopper: ``validation.default_attention_backend``).
+            Mirrored by ``patches/sglang-0.5.17/0023-ddtree-default-attention-backend.diff``."""
+            chosen = super()._get_default_attn_backend(use_mla_backend, model_config)
+            return default_attention_backend(self.speculative_algorithm, self.device, chosen)
 
 else:  # SGLang 0.5.23: a msgspec Struct assembled from per-namespace field classes
 

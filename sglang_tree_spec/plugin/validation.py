@@ -46,6 +46,16 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
     "cpu": ("torch_native", "triton"),
 }
 INTERPRETED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("triton",)}
+# DDTREE's backend when none is given and SGLang's default is not one of the above: triton, as
+# flashinfer keeps its captured target-verify wrappers per batch size, not per window.
+DEFAULT_ATTENTION_BACKENDS: dict[str, str] = {"cuda": "triton"}
+# Why SGLang's default cannot verify a tree, per backend it may choose on CUDA (fa3: Hopper's).
+UNSUPPORTED_DEFAULT_REASONS: dict[str, str] = {
+    "fa3": (
+        "its target verify reads no custom mask at --speculative-eagle-topk 1 (DDTREE's), so "
+        "a tree would be verified as a causal chain"
+    ),
+}
 # Whether DDTREE keeps CUDA graphs on a GPU: its target-verify graphs carry the tree mask, one per
 # (batch size, budget) (plugin/graphs.py; --disable-cuda-graph turns them off as for any server);
 # launch/gpu-validate.sh states it in its plan and checks the servers' logs.
@@ -205,6 +215,41 @@ def check_attention_backends(device: str, prefill: str | None, decode: str | Non
                 f"interpreter (set TRITON_INTERPRET=1, or use --attention-backend "
                 f"{' or '.join(others)})"
             )
+
+
+def default_attention_backend(algorithm: str | None, device: str, chosen: str) -> str:
+    """The attention backend a server without ``--attention-backend`` gets: SGLang's default
+    ``chosen``, except for DDTREE when DDTREE cannot verify a tree on it (fa3, SGLang's default
+    on Hopper): then :data:`DEFAULT_ATTENTION_BACKENDS` for the device, said in one log line.
+    An explicit unsupported backend is still refused by :func:`check_attention_backends`."""
+    fallback = DEFAULT_ATTENTION_BACKENDS.get(device)
+    if (algorithm or "").upper() != ALGORITHM or fallback is None:
+        return chosen
+    if chosen in SUPPORTED_ATTENTION_BACKENDS[device]:
+        return chosen
+    reason = UNSUPPORTED_DEFAULT_REASONS.get(
+        chosen, f"DDTREE verifies trees on {' or '.join(SUPPORTED_ATTENTION_BACKENDS[device])} only"
+    )
+    logger.info(
+        "%s: --attention-backend not given; using %s instead of SGLang's default %s on %s: %s",
+        ALGORITHM,
+        fallback,
+        chosen,
+        device,
+        reason,
+    )
+    return fallback
+
+
+def around_default_attention_backend(
+    original: Any, server_args: Any, use_mla_backend: bool, model_config: Any
+) -> str:
+    """AROUND hook on SGLang 0.5.23's ``arg_groups.overrides.get_default_attn_backend`` (the
+    name ``_attention_backend_default`` calls): :func:`default_attention_backend` of SGLang's
+    choice. Mirrored by ``patches/sglang-0.5.23/0023-ddtree-default-attention-backend.diff``;
+    on 0.5.17 ``DDTreeServerArgs._get_default_attn_backend`` does it."""
+    chosen = original(server_args, use_mla_backend, model_config)
+    return default_attention_backend(server_args.speculative_algorithm, server_args.device, chosen)
 
 
 def check_page_size(page_size: int | None, device: str) -> None:

@@ -193,6 +193,9 @@ def _define_worker() -> type:
             self._label = "auto" if self.config.auto else str(self.config.budget)
             self._step_log = StepLog.from_env(self._label)  # None unless SGLANG_TREE_SPEC_STEP_LOG
             self.verify_graphs = None  # CPU closure replay, when asked (init_cuda_graphs)
+            # Batches above the verify graphs' speculation cap take plain steps (init_cuda_graphs).
+            self.speculation_cap: int | None = None
+            self._native_controller = None
             self.metrics = _metrics(server_args, self.tp_group.rank_in_group)
             logger.info(
                 "DDTREE worker: %s, budget %s, drafter block %d, top-K %d, graft %s%s, "
@@ -252,6 +255,8 @@ def _define_worker() -> type:
             :data:`PIN_ENV_FLAG` the one the batch's first request pins (:meth:`_pinned_controller`)
             with a step log of its own (``steps_<label>-pin<pin>_<pid>.csv``), one per pin,
             built at its first use. A pin that names neither is ignored, with a warning."""
+            if self.speculation_cap is not None and len(reqs) > self.speculation_cap:
+                return self.native_controller, self._step_log
             if self._pinned is None:
                 return self.controller, self._step_log
             params = reqs[0].sampling_params.custom_params
@@ -273,6 +278,18 @@ def _define_worker() -> type:
                     log = StepLog.from_env(f"{self._label}-pin{label}")
                     self._pinned[key] = (controller, log)
             return self._pinned[key]
+
+        @property
+        def native_controller(self) -> Any:
+            """Budget 0 every step: a batch above the speculation cap decodes plainly (its
+            tree verify's outputs would not fit the memory the capture plan allows)."""
+            if self._native_controller is None:
+                rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+                plain = replace(self.config, budget=0, auto=False, candidates=None)
+                self._native_controller = make_controller(
+                    plain, self.block_size - 1, rows, self.device
+                )
+            return self._native_controller
 
         def _pinned_controller(self, pin: Any) -> Any:
             """A fixed controller at budget ``pin`` (one of the server's candidates), or on an
@@ -363,6 +380,7 @@ def _define_worker() -> type:
             runner = self.verify_graphs or getattr(
                 self.target_worker.model_runner, compat.MODEL_RUNNER_GRAPH_RUNNER, None
             )
+            self.speculation_cap = getattr(runner, "speculation_cap", None)
             batch_sizes = getattr(runner, "capture_bs", None)
             if tree_graphs is None or not batch_sizes:
                 return
