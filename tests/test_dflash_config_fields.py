@@ -161,7 +161,7 @@ def test_shortlist_top_k_applies_the_fields(target, base, features, tmp_path):
 
 
 REFUSED = [
-    ({"architectures": ["DFlash2DraftModel"]}, None, "architectures"),
+    ({"architectures": ["DFlash2DraftModel"]}, None, "conv_kernel_size"),
     ({"architectures": ["MiniMaxDFlash2DraftModel"]}, None, "architectures"),
     (
         {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},

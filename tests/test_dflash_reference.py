@@ -6,6 +6,11 @@
   ``final_logit_softcapping``), load in the engine: the draft logits equal the reference's
   ``compute_logits`` of its forward, and the engine's greedy ``chain`` drafts, scores and
   accepts what ``dflash_generate`` does at every full-block step.
+* A random-weight DFlash2 checkpoint saved by the reference's ``DFlash2DraftModel`` loads in
+  the engine; the greedy chain drafts the reference's per-position marginals (its convolved
+  forward) and accepts what ``dflash_generate`` does when the reference drafts them too (its
+  own chain follows the candidate selector's path, which the engine does not use); a DDTREE
+  server refuses it in one line.
 * The project's shipped drafters load in the reference: the small pair's drafter generates with
   ``dflash_generate`` what the chain generates, step by step; the SmolLM2 drafter's block hidden
   states equal the engine's.
@@ -36,7 +41,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from sglang_tree_spec.demo import PACKAGED_DRAFTER_DIR
 from sglang_tree_spec.drafters import DFlashDrafter
-from sglang_tree_spec.drafters.dflash import DrafterConfigError
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
@@ -304,28 +308,74 @@ def test_shipped_smollm2_drafter_loads_in_the_reference(reference):
     torch.testing.assert_close(got, expected)
 
 
-def test_dflash2_checkpoint_is_refused_in_one_line(tmp_path):
-    """A random-weight DFlash2 drafter saved by the reference's ``DFlash2DraftModel`` (grouped
-    dynamic convolutions, candidate selector) is refused by the engine and at server start-up,
-    in one line naming the field, until DFlash2 is implemented."""
-    config = reference_drafter({}).config
+DFLASH2_FIELDS = {
+    "conv_kernel_size": 3,
+    "conv_group_size": 8,
+    "selector_rank": 4,
+    "selector_top_k": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory):
+    """(reference DFlash2 drafter, the engine's drafter from the reference's checkpoint): random
+    weights, the convolutions' base kernels and the selector's codebooks drawn too (the
+    reference's init leaves them empty)."""
+    config = reference_drafter(FIELDS).config
     config.architectures = ["DFlash2DraftModel"]
-    config.dflash_config = {
-        **config.dflash_config,
-        "conv_kernel_size": 2,
-        "conv_group_size": 8,
-        "selector_rank": 4,
-        "selector_top_k": 3,
-    }
-    DFlash2DraftModel(config).save_pretrained(tmp_path)
-    with pytest.raises(DrafterConfigError) as error:
-        DFlashDrafter.from_pretrained(tmp_path)
-    assert str(error.value).startswith("DDTREE: DFlash drafter architectures=['DFlash2DraftModel']")
-    assert "\n" not in str(error.value)
+    config.dflash_config = {**config.dflash_config, **DFLASH2_FIELDS}
+    torch.manual_seed(3)
+    ref = DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if "base_kernel" in name or "codebook" in name:
+                param.copy_(torch.randn_like(param) * 0.5)
+    path = tmp_path_factory.mktemp("reference-dflash2")
+    ref.save_pretrained(path)
+    return ref, DFlashDrafter.from_pretrained(path), path
+
+
+def test_dflash2_checkpoint_loads_every_weight(dflash2_pair):
+    ref, drafter, _ = dflash2_pair
+    assert drafter.dflash2 and drafter.output_multiplier == FIELDS["output_multiplier"]
+    state = drafter.state_dict()
+    assert set(state) == set(ref.state_dict())
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def marginal_propose(ref):
+    """The reference's DFlash2 ``propose`` drafting each block slot's marginal argmax (its
+    ``compute_logits`` of the convolved forward) instead of the selector's path: the draft the
+    engine's chain makes (see drafters/dflash.py on why trees use the marginals)."""
+
+    def propose(hidden, anchor_ids, output_head, temperature):
+        assert temperature == 0
+        return ref.compute_logits(hidden, output_head).argmax(-1), None, None
+
+    return propose
+
+
+def test_dflash2_chain_equals_dflash_generate(reference, target, dflash2_pair, monkeypatch):
+    """The engine's greedy chain on a DFlash2 drafter generates what ``dflash_generate`` does
+    with the marginal draft, with its per-step acceptance lengths, and drafts from the same
+    per-position marginals (top-1 ids and log-probs per step)."""
+    ref, drafter, _ = dflash2_pair
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(ref, "propose", marginal_propose(ref))
+    accepted = assert_chain_equals_reference(
+        reference, ref, drafter, target, prompt, 24, monkeypatch
+    )
+    assert max(accepted) > 1
+
+
+def test_dflash2_checkpoint_is_refused_by_the_server_in_one_line(dflash2_pair):
+    """The engine runs DFlash2; a DDTREE server refuses it at start-up in one line."""
+    path = dflash2_pair[2]
     with pytest.raises(DDTreeConfigError) as error:
-        load_drafter(str(tmp_path))
+        load_drafter(str(path))
     assert str(error.value) == (
-        f"DDTREE: --speculative-draft-model-path {tmp_path}: DFlash drafter "
-        "architectures=['DFlash2DraftModel'] is not supported (only DFlashDraftModel, DFlash v1; "
-        "DFlash2 drafters are not implemented)"
+        f"DDTREE: --speculative-draft-model-path {path}: DFlash drafter "
+        "architectures=['DFlash2DraftModel'] is not served by DDTREE (DFlash2 drafters run in "
+        "the engine only)"
     )

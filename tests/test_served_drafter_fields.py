@@ -91,8 +91,8 @@ def test_unsupported_field_is_refused_at_start_up_in_one_line(tmp_path):
         load_drafter(path)
     assert str(error.value) == (
         f"DDTREE: --speculative-draft-model-path {path}: DFlash drafter "
-        "dflash_config.conv_kernel_size is not supported (a DFlash2 field; DFlash2 drafters are "
-        "not implemented)"
+        "dflash_config.conv_kernel_size is not supported (a DFlash2 field in a DFlashDraftModel "
+        "config)"
     )
 
 

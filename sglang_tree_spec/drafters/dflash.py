@@ -34,8 +34,25 @@ config's top level, as the reference does):
 * ``final_logit_softcapping`` (default none): when set and positive, the (multiplied) logits
   become ``tanh(logits / cap) * cap``.
 
+DFlash2 (``architectures = ["DFlash2DraftModel"]``, ``dflash_config`` fields
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``), as the
+reference's ``DFlash2DraftModel`` computes it: every draft layer wraps its attention and its MLP
+in a grouped dynamic causal convolution over the block positions (:class:`GroupedDynamicConv`:
+before the sub-layer, a per-position kernel predicted from the normalised input plus a learned
+base kernel mixes each channel group with the ``kernel_size - 1`` block positions before it;
+after the sub-layer, a second base kernel plus the second half of the predicted kernel does the
+same to its output). The convolution never reaches past the block's first slot (the anchor),
+so the context path is DFlash v1's. The candidate selector's weights are loaded
+(:class:`CandidateSelector`) but its scores are not used to build trees: the tree is built from
+the per-position marginals (the LM-head distribution of each block slot), which the selector's
+unary term is (its top-``selector_top_k`` candidates are the marginal's top-K); its pairwise
+term scores a candidate given its predecessor token, so using it means per-parent child lists,
+which the depth-wise top-K tree builder does not take. The reference's own chain follows the
+selector's path, so its drafts may differ from the marginal chain's; verification is exact
+either way.
+
 Anything else that would change the drafter's computation and that it does not implement
-(DFlash2 and other architectures, sliding-window or causal draft layers, partial rotary,
+(other architectures, sliding-window or causal draft layers, partial rotary,
 length-dependent RoPE, unknown ``dflash_config`` keys) is refused when the drafter is built, with
 a one-line :class:`DrafterConfigError` (``DDTREE: ...``) naming the field.
 """
@@ -64,6 +81,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from sglang_tree_spec.tree import topk_from_logits
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_V2 = "DFlash2DraftModel"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -215,11 +233,12 @@ def _validate_draft_config(config: PretrainedConfig) -> None:
     """Refuse what this implementation does not reproduce, one field per line
     (:class:`DrafterConfigError`)."""
     architectures = list(getattr(config, "architectures", None) or [])
-    if architectures and architectures != [ARCHITECTURE]:
+    if architectures and architectures not in ([ARCHITECTURE], [ARCHITECTURE_V2]):
         raise DrafterConfigError(
-            f"DFlash drafter architectures={architectures} is not supported (only {ARCHITECTURE}, "
-            "DFlash v1; DFlash2 drafters are not implemented)"
+            f"DFlash drafter architectures={architectures} is not supported (only "
+            f"{ARCHITECTURE} and {ARCHITECTURE_V2})"
         )
+    is_v2 = architectures == [ARCHITECTURE_V2]
     layer_types = list(getattr(config, "layer_types", None) or [])
     bad_types = sorted({t for t in layer_types if t != "full_attention"})
     if bad_types:
@@ -260,10 +279,12 @@ def _validate_draft_config(config: PretrainedConfig) -> None:
         if key in LAYOUT_FIELDS or key in COMPUTE_FIELDS or key in METADATA_FIELDS:
             continue
         if key in DFLASH2_FIELDS:
-            raise DrafterConfigError(
-                f"DFlash drafter dflash_config.{key} is not supported (a DFlash2 field; DFlash2 "
-                "drafters are not implemented)"
-            )
+            if not is_v2:
+                raise DrafterConfigError(
+                    f"DFlash drafter dflash_config.{key} is not supported (a DFlash2 field in a "
+                    f"{ARCHITECTURE} config)"
+                )
+            continue
         if key in NEUTRAL_ONLY_FIELDS and value == NEUTRAL_ONLY_FIELDS[key]:
             continue
         raise DrafterConfigError(
@@ -271,6 +292,19 @@ def _validate_draft_config(config: PretrainedConfig) -> None:
             "implementation does not read)"
         )
     compute_fields(config)  # refuses non-numeric values
+    if is_v2:
+        for key in DFLASH2_FIELDS:
+            value = _dflash_value(config, key)
+            if value is None or int(value) < 1:
+                raise DrafterConfigError(
+                    f"DFlash2 drafter dflash_config.{key} must be a positive integer, got {value!r}"
+                )
+        group = int(_dflash_value(config, "conv_group_size"))
+        if config.hidden_size % group:
+            raise DrafterConfigError(
+                f"DFlash2 drafter dflash_config.conv_group_size={group} does not divide "
+                f"hidden_size={config.hidden_size}"
+            )
     block_size = int(_dflash_value(config, "block_size", DEFAULT_BLOCK_SIZE))
     if block_size < 2:
         raise DrafterConfigError(f"DFlash drafter block_size must be >= 2, got {block_size}")
@@ -377,15 +411,82 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bs, q_len, -1))
 
 
-class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer whose attention also reads context keys/values."""
+def causal_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """``y[:, t] = sum_o kernel[:, t, o] * x[:, t - o]`` per channel, zeros before slot 0.
+
+    ``x [bs, Q, H]``; ``kernel [bs, Q, K, H]`` (a per-position kernel over offsets ``o = 0 ..
+    K - 1``, already expanded to channels). Returns ``[bs, Q, H]``.
+    """
+    q_len, width = x.shape[1], kernel.shape[2]
+    padded = F.pad(x, (0, 0, width - 1, 0))  # [bs, K - 1 + Q, H]
+    out = torch.zeros_like(x)
+    for offset in range(width):
+        start = width - 1 - offset
+        out = out + kernel[:, :, offset] * padded[:, start : start + q_len]
+    return out
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around one sub-layer.
+
+    ``base_kernel [2, K, H]`` (before / after the sub-layer) and ``kernel_projection``:
+    ``H -> 2 * K * G`` per position (``G = H / group_size`` channel groups; a group's channels
+    share the predicted coefficient, each channel has its own base coefficient).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def _kernel(self, dynamic: torch.Tensor, which: int) -> torch.Tensor:
+        """``dynamic [bs, Q, K, G]`` -> per-channel kernel ``[bs, Q, K, H]``."""
+        per_channel = dynamic.repeat_interleave(self.group_size, dim=-1)
+        return per_channel + self.base_kernel[which].to(dynamic.dtype)
+
+    def before(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convolve the sub-layer input ``x [bs, Q, H]``; also return the after-kernel's
+        predicted part ``[bs, Q, K, G]`` (predicted from this same input)."""
+        bs, q_len, _ = x.shape
+        dynamic = self.kernel_projection(x).view(bs, q_len, 2, self.kernel_size, self.groups)
+        y = causal_conv(x, self._kernel(dynamic[:, :, 0], 0))
+        return y, dynamic[:, :, 1]
+
+    def after(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        """Convolve the sub-layer output ``x [bs, Q, H]`` with :meth:`before`'s kernel."""
+        return causal_conv(x, self._kernel(dynamic, 1))
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector weights (loaded, not used: see the module docstring)."""
 
     def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        rank = int(_dflash_value(config, "selector_rank"))
+        self.top_k = int(_dflash_value(config, "selector_top_k"))
+        self.predecessor_codebook = nn.Embedding(config.vocab_size, rank)
+        self.successor_codebook = nn.Embedding(config.vocab_size, rank)
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer whose attention also reads context keys/values; DFlash2
+    wraps attention and MLP in :class:`GroupedDynamicConv` (``attention_conv``/``mlp_conv``)."""
+
+    def __init__(self, config: Qwen3Config, dflash2: bool = False) -> None:
         super().__init__()
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        self.attention_conv = self.mlp_conv = None
+        if dflash2:
+            kernel = int(_dflash_value(config, "conv_kernel_size"))
+            group = int(_dflash_value(config, "conv_group_size"))
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
 
     def forward(
         self,
@@ -395,9 +496,18 @@ class DFlashDecoderLayer(nn.Module):
         context_kv: KVPair,
         attn_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """``x [bs, Q, H] -> [bs, Q, H]`` (see :meth:`DFlashAttention.forward`)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``x [bs, Q, H] -> [bs, Q, H]`` (see :meth:`DFlashAttention.forward`); ``Q`` is one
+        whole block, slot 0 first (the DFlash2 convolutions run over it)."""
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, cos, sin, context_kv, attn_mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, dynamic = self.attention_conv.before(h)
+        x = x + self.attention_conv.after(
+            self.self_attn(h, cos, sin, context_kv, attn_mask), dynamic
+        )
+        h, dynamic = self.mlp_conv.before(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.after(self.mlp(h), dynamic)
 
 
 class DFlashDrafter(nn.Module):
@@ -420,10 +530,13 @@ class DFlashDrafter(nn.Module):
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.dflash2 = list(getattr(config, "architectures", None) or []) == [ARCHITECTURE_V2]
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            DFlashDecoderLayer(config, self.dflash2) for _ in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        if self.dflash2:
+            self.candidate_selector = CandidateSelector(config)
         self._inv_freq, self._rope_attention_scaling = _rope_inv_freq(config)
         fields = compute_fields(config)
         self.input_embedding_scale = float(fields["input_embedding_scale"])
@@ -539,7 +652,7 @@ class DFlashDrafter(nn.Module):
         for key in _CONFIG_NOISE_KEYS:
             out.pop(key, None)
         rope = dict(out.get("rope_parameters") or {})
-        out["architectures"] = [ARCHITECTURE]
+        out["architectures"] = [ARCHITECTURE_V2 if self.dflash2 else ARCHITECTURE]
         out["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         out["rope_theta"] = rope.get("rope_theta")
         out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
@@ -681,13 +794,23 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# DFlash2 checkpoints may store the selector's codebooks without the ``.weight`` suffix.
+_BARE_CODEBOOKS = (
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+)
+
+
 def _normalize_state_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip an optional ``model.`` prefix and drop RoPE caches (``*.inv_freq``)."""
-    return {
-        key.removeprefix("model."): value
-        for key, value in state.items()
-        if not key.endswith("inv_freq")
-    }
+    """Strip an optional ``model.`` prefix, name bare DFlash2 codebooks ``*.weight`` and drop
+    RoPE caches (``*.inv_freq``)."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("inv_freq"):
+            continue
+        key = key.removeprefix("model.")
+        out[f"{key}.weight" if key in _BARE_CODEBOOKS else key] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -425,12 +425,18 @@ def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
         )
     try:
         with torch.device("meta"):
-            return DFlashDrafter(Qwen3Config.from_dict(raw))
+            drafter = DFlashDrafter(Qwen3Config.from_dict(raw))
     except DrafterConfigError as exc:
         raise DDTreeConfigError(f"--speculative-draft-model-path {path}: {exc.detail}") from None
     except (ValueError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split())
         raise DDTreeConfigError(f"unsupported DFlash drafter {path}: {reason}") from None
+    if drafter.dflash2:  # no test shows a server's DFlash2 draft equals the engine's yet
+        raise DDTreeConfigError(
+            f"--speculative-draft-model-path {path}: DFlash drafter architectures={architectures} "
+            "is not served by DDTREE (DFlash2 drafters run in the engine only)"
+        )
+    return drafter
 
 
 def read_drafter_config(path: str, revision: str | None = None) -> dict[str, Any]:
