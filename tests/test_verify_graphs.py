@@ -63,11 +63,23 @@ def command(pair: dict[str, Path], budget: int | None, backend: str = "torch_nat
 
 
 @pytest.fixture(scope="module")
-def baseline(pair, prompts, tmp_path_factory) -> list[list[int]]:
+def no_speculation(pair, prompts, tmp_path_factory) -> dict[str, list]:
+    """One no-speculation server: greedy outputs one at a time, and the log-prob replies of two
+    prompts at once (:func:`plain_logprobs`'s reference)."""
+    from test_sglang_ddtree_params import logprob_replies
+
     log = tmp_path_factory.mktemp("baseline") / "server.log"
     for server in running_server(command(pair, None), log):
-        return server.greedy(prompts, 1)
+        return {
+            "greedy": server.greedy(prompts, 1),
+            "logprobs": logprob_replies(server, prompts[:2], 2),
+        }
     raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def baseline(no_speculation) -> list[list[int]]:
+    return no_speculation["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +122,19 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
 
 
 @pytest.fixture(scope="module")
-def plain_logprobs(pair, prompts, tmp_path_factory) -> dict[str, list[dict]]:
+def plain_logprobs(pair, prompts, no_speculation, tmp_path_factory) -> dict[str, list[dict]]:
     """Log-prob replies of no speculation and of DDTREE at budget 0 (plain steps: two target
     forwards a step, both replays of one captured shape), two prompts at once."""
     from test_sglang_ddtree_params import logprob_replies
 
-    replies = {}
+    replies = {"plain": no_speculation["logprobs"]}
     ddtree = server_command(pair, free_port(), max(BUDGETS), "0")  # budget 0 every step
-    for name, cmd in (("plain", command(pair, None)), ("ddtree", ddtree)):
-        log = tmp_path_factory.mktemp(f"logprobs-{name}") / "server.log"
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(CPU_GRAPHS_ENV, "1")
-            for server in running_server(cmd, log):
-                replies[name] = logprob_replies(server, prompts[:2], 2)
-                replies[f"{name}-log"] = log.read_text()
+    log = tmp_path_factory.mktemp("logprobs-ddtree") / "server.log"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CPU_GRAPHS_ENV, "1")
+        for server in running_server(ddtree, log):
+            replies["ddtree"] = logprob_replies(server, prompts[:2], 2)
+            replies["ddtree-log"] = log.read_text()
     return replies
 
 
