@@ -43,7 +43,6 @@ from sglang_tree_spec.tree import (
     AcceptResult,
     DraftTree,
     VerifyLayout,
-    build_chain,
     build_ddtree,
     build_verify_layout,
     counter_uniforms,
@@ -243,8 +242,12 @@ def decode_step(
             budget, tree = forecast.budget, _tree_at(forecast, largest, *drafted)
         else:
             tree = selector.select(topk_logprobs, topk_tokens, bonus, budget)  # [bs, B]
+        graphs = getattr(selector, "graphs", None)  # the tree's graphs (DDTree on CUDA)
+        lay_out = build_verify_layout if graphs is None else graphs.verify_layout
+        layout = lay_out(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
+        timer.mark("tree")
         accept, logits = _verify(
-            backend, selector, sampling, tree, bonus, prefix_lens, generator, timer
+            backend, selector, sampling, tree, layout, prefix_lens, generator, timer, graphs
         )
     else:
         forwards = PLAIN_FORWARDS if plain_forwards is None else plain_forwards
@@ -287,13 +290,10 @@ def _result(outcome: StepOutcome, accept, topk_logprobs, logits, calibrated) -> 
     )
 
 
-def _verify(backend, selector, sampling, tree, bonus, prefix_lens, generator, timer):
-    """Verify ``tree`` in one target forward, accept with the target's rule, let the selector
-    learn and keep the accepted path: ``(AcceptResult, [bs, W, V] logits)``."""
-    graphs = getattr(selector, "graphs", None)  # the tree's graphs (DDTree on CUDA)
-    lay_out = build_verify_layout if graphs is None else graphs.verify_layout
-    layout = lay_out(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
-    timer.mark("tree")
+def _verify(backend, selector, sampling, tree, layout, prefix_lens, generator, timer, graphs):
+    """Verify ``tree`` laid out as ``layout`` in one target forward, accept with the target's
+    rule, let the selector learn and keep the accepted path: ``(AcceptResult, [bs, W, V]
+    logits)``."""
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
     accept = sampling.accept(tree, logits, prefix_lens, generator, graphs)
@@ -306,34 +306,84 @@ def _verify(backend, selector, sampling, tree, bonus, prefix_lens, generator, ti
     return accept, logits
 
 
+@dataclass(frozen=True)
+class _PlainShape:
+    """The tensors a plain step of ``bs`` requests and ``forwards`` forwards reuses: one per
+    shape and device, shared and never written, so its forwards build no tree, mask or path.
+
+    Attributes:
+        root: the empty ``[bs, 0]`` tree (each forward verifies its root alone).
+        root_mask: ``[bs, 1, 1]`` bool, the root sees itself.
+        root_path: ``[bs, 1]`` int64 zeros, the kept path (the root, in place).
+        one: ``[bs]`` int64 ones, tokens each forward commits.
+        chain: the ``[bs, forwards - 1]`` chain the forwards amount to, less its tokens.
+        accept_len: ``[bs]`` int64 ``forwards - 1``: every chain node accepted.
+        path: ``[bs, forwards]`` int64 the chain's window slots, root first.
+    """
+
+    root: DraftTree
+    root_mask: torch.Tensor
+    root_path: torch.Tensor
+    one: torch.Tensor
+    chain: DraftTree
+    accept_len: torch.Tensor
+    path: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_shape(bs: int, forwards: int, device: str) -> _PlainShape:
+    nodes = forwards - 1
+    long = functools.partial(torch.zeros, dtype=torch.long, device=device)
+    depth = torch.arange(1, nodes + 1, device=device).expand(bs, nodes)
+    chain = DraftTree(
+        tokens=long(bs, nodes),  # (each step's own tokens replace these)
+        parents=depth - 2,
+        depths=depth,
+        logprobs=torch.zeros(bs, nodes, device=device),
+        valid=torch.ones(bs, nodes, dtype=torch.bool, device=device),
+        max_depth=nodes,
+    )
+    return _PlainShape(
+        root=empty_tree(bs, device),
+        root_mask=torch.ones(bs, 1, 1, dtype=torch.bool, device=device),
+        root_path=long(bs, 1),
+        one=long(bs) + 1,
+        chain=chain,
+        accept_len=long(bs) + nodes,
+        path=torch.arange(forwards, device=device).repeat(bs, 1),
+    )
+
+
 def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer):
     """``forwards`` plain target forwards (the root alone, one token a request each), reported
     as the step that verified the chain of their tokens: ``(tree [bs, forwards - 1], accept,
     logits [bs, forwards, V])`` with every node accepted. The same tokens as ``forwards``
-    one-forward steps: forward ``i`` reads position ``prefix + i``'s coin."""
-    bs = bonus.shape[0]
-    empty = empty_tree(bs, bonus.device)
+    one-forward steps: forward ``i`` reads position ``prefix + i``'s coin. Nothing but the
+    forwards, their acceptance and the kept tokens runs (:class:`_PlainShape`)."""
+    shape = _plain_shape(bonus.shape[0], forwards, str(bonus.device))
     tokens, logits = [bonus], []
     for i in range(forwards):
-        accept, forward_logits = _verify(
-            backend, selector, sampling, empty, tokens[-1], prefix_lens + i, generator, timer
-        )
+        prefix = prefix_lens + i if i else prefix_lens  # [bs] cached tokens before forward i
+        root = tokens[-1][:, None]  # [bs, 1]
+        layout = VerifyLayout(tokens=root, ancestor_mask=shape.root_mask, positions=prefix[:, None])
+        forward_logits = backend.verify(layout, prefix)  # [bs, 1, V]
+        timer.mark("verify")
+        accept = sampling.accept(shape.root, forward_logits, prefix, generator)
+        if selector is not None:  # Graft's table learns the root's successors
+            selector.learn(shape.root, root, forward_logits, accept.committed_tokens)
+        timer.mark("accept")
+        backend.keep(shape.root_path, shape.one)
+        timer.mark("commit")
         tokens.append(accept.bonus)
         # a replayed verify's logits live in its graph's static output, which the next forward
         # (the same shape) overwrites: the earlier forwards' are copied out for the log-probs
         last = i == forwards - 1
         logits.append(forward_logits if last else forward_logits.clone())
     if forwards == 1:
-        return empty, accept, logits[0]
+        return shape.root, accept, logits[0]
     committed = torch.stack(tokens[1:], dim=1)  # [bs, forwards]
-    draft = committed[:, :-1, None]  # [bs, forwards - 1, 1]
-    chain = build_chain(torch.zeros(draft.shape, device=draft.device), draft)
-    accept = AcceptResult(
-        accept_len=torch.full((bs,), forwards - 1, dtype=torch.long, device=bonus.device),
-        bonus=committed[:, -1],
-        accepted_slots=torch.arange(forwards, device=bonus.device).repeat(bs, 1),
-        committed_tokens=committed,
-    )
+    chain = replace(shape.chain, tokens=committed[:, :-1])
+    accept = AcceptResult(shape.accept_len, committed[:, -1], shape.path, committed)
     return chain, accept, torch.cat(logits, dim=1)
 
 

@@ -131,3 +131,62 @@ def test_a_plain_decode_step_is_one_graph_replay_and_no_read(served):
     steps = served["none"]["steps4"]
     assert steps and all(step["bs"] == 4 and step["algorithm"] == "NONE" for step in steps)
     assert all(step["replays"] == 1 and step["reads"] == 0 for step in steps)
+
+
+# A plain step of two forwards (step.PLAIN_FORWARDS), its own ops outside the forwards: each
+# forward's greedy argmax, the second forward's lengths, the committed tokens' stack, the first
+# forward's logits copied out of the graph's output, the two joined, the result's commit lengths
+# (7; a tree, layout and path built per forward, as a drafted step builds them, made 30).
+MAX_PLAIN_STEP_OPS = 7
+
+
+class ReplayedTarget:
+    """A ``step.StepBackend`` whose target forward is one graph replay (the verify graph on a
+    GPU) and whose keep is the backend's own, not the step's: what :class:`StepAccounting`
+    counts around it is the decode step's own code."""
+
+    def __init__(self, accounting: StepAccounting, vocab: int = 16) -> None:
+        self.accounting = accounting
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+
+    def draft_topk(self, *args):
+        raise AssertionError("a plain step does not draft")
+
+    def verify(self, layout, prefix_lens):
+        with self.accounting.replay():
+            return self.table[layout.tokens]  # [bs, 1, V]: the next token follows the last
+
+    def keep(self, path_slots, commit_lens):
+        assert path_slots.shape == (commit_lens.shape[0], 1)
+
+
+def test_a_plain_step_launches_little_beyond_its_forwards():
+    from sglang_tree_spec.control import BudgetController, ControlConfig
+    from sglang_tree_spec.step import PLAIN_FORWARDS, Sampling, decode_step
+    from sglang_tree_spec.step_times import PhaseTimer
+
+    bs = 4
+    controller = BudgetController(ControlConfig(fixed_budget=0), None, max_slots=bs)
+    sampling, timer = Sampling.greedy(bs, "cpu"), PhaseTimer(False, "cpu", report=None)
+    accounting = StepAccounting()
+    backend = ReplayedTarget(accounting)
+    bonus, prefix_lens, rows = (
+        torch.tensor([1, 2, 3, 4]),
+        torch.tensor([5, 6, 7, 8]),
+        torch.arange(bs),
+    )
+    steps = []
+    for _ in range(3):  # the first step fills the per-shape caches
+        with accounting.step(host_tensors=[]) as counts:
+            result = decode_step(
+                backend, None, controller, sampling, bonus, prefix_lens, rows, timer=timer
+            )
+        steps.append(counts)
+        expected = [bonus]
+        for _ in range(PLAIN_FORWARDS):
+            expected.append(backend.table[expected[-1]].argmax(-1))
+        assert torch.equal(result.accept.committed_tokens, torch.stack(expected[1:], dim=1))
+        bonus, prefix_lens = result.accept.bonus, prefix_lens + PLAIN_FORWARDS
+    for counts in steps[1:]:
+        assert counts.replays == PLAIN_FORWARDS and counts.reads == 0, counts
+        assert counts.ops <= MAX_PLAIN_STEP_OPS, dict(counts.op_sites)

@@ -52,6 +52,19 @@ def host_lengths(batch: Any) -> tuple[torch.Tensor, bool]:
     return batch.seq_lens.cpu().to(torch.int64), True
 
 
+_ALL_TRUE: dict[str, torch.Tensor] = {}
+
+
+def _all_true(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` bool all True: a view of one buffer per device, grown as needed (a plain
+    verify's mask; masks are read, never written), so a plain step fills none."""
+    buffer = _ALL_TRUE.get(str(device))
+    if buffer is None or buffer.numel() < n:
+        size = max(n, 2 * (0 if buffer is None else buffer.numel()))
+        buffer = _ALL_TRUE[str(device)] = torch.ones(size, dtype=torch.bool, device=device)
+    return buffer[:n]
+
+
 class SGLangBackend:
     """Draft, verify and keep for one decode ``batch`` (a ``ModelWorkerBatch``) of ``worker``.
 
@@ -174,7 +187,9 @@ class SGLangBackend:
         batch, worker = self.batch, self.worker
         bs, window = layout.tokens.shape
         earlier, self._verified = self._verified, self._verified + 1
-        window_pos = prefix_lens[:, None] + torch.arange(window, device=prefix_lens.device)
+        window_pos = prefix_lens[:, None]  # [bs, W] KV positions of the window's slots
+        if window > 1:
+            window_pos = window_pos + torch.arange(window, device=prefix_lens.device)
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
         if self.host_lens_exact:
             host_lens = self.host_prefix_lens + earlier + window  # [bs] lengths after the window
@@ -183,7 +198,7 @@ class SGLangBackend:
         host_sum = int(host_lens.sum())
         mask_size = window * host_sum  # FULL_MASK entries
         if window == 1:  # a plain step: the root sees its prefix and itself
-            mask = torch.ones(mask_size, dtype=torch.bool, device=prefix_lens.device)
+            mask = _all_true(mask_size, prefix_lens.device)
         else:
             mask = torch.empty(mask_size, dtype=torch.bool, device=prefix_lens.device)
             write_full_mask(layout.ancestor_mask, prefix_lens, mask)
@@ -282,8 +297,7 @@ class SGLangBackend:
         if width == 1 and deferred is not None:
             if deferred.is_full(self.host_rows):
                 self.write_deferred_context(self._window_pos[:, 0])
-            rows = self.batch.req_pool_indices.to(torch.int64)
-            deferred.stash(self.host_rows, rows, self._window_pos[:, 0], hidden[:, 0])
+            deferred.stash(self.host_rows, self.rows, self._window_pos[:, 0], hidden[:, 0])
             self.logits_output.hidden_states = None
             return
         slots = path_slots.clamp_min(0)
@@ -307,6 +321,11 @@ class SGLangBackend:
         self.logits_output.hidden_states = None
 
     @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """``[bs]`` int64 the batch's request rows (``req_pool_indices``), converted once."""
+        return self.batch.req_pool_indices.to(torch.int64)
+
+    @functools.cached_property
     def host_rows(self) -> list[int]:
         """The batch's request rows, from the host requests (no device read)."""
         return compat.req_rows(self.batch.reqs)
@@ -317,8 +336,7 @@ class SGLangBackend:
         deferred = self.worker.deferred_context()
         if deferred is None:
             return
-        rows = self.batch.req_pool_indices.to(torch.int64)
-        taken = deferred.take(self.host_rows, rows, prefix_lens)
+        taken = deferred.take(self.host_rows, self.rows, prefix_lens)
         if taken is None:
             return
         hidden, positions, counts = taken  # [bs, n, Hc], [bs, n], [bs]

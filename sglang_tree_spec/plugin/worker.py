@@ -469,8 +469,8 @@ def _define_worker() -> type:
                 # keep its memory from being reused there while this step still reads it
                 batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
             prefix_lens = batch.seq_lens.to(torch.int64)  # [bs] tokens in the KV cache
-            rows = batch.req_pool_indices.to(torch.int64)
             backend = SGLangBackend(self, batch)
+            rows = backend.rows  # [bs] int64 request rows
             plain_forwards = None  # control.PLAIN_FORWARDS
             if backend.constrained:  # the grammars are not past forward 1's token
                 plain_forwards = 1

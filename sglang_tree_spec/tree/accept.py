@@ -19,6 +19,7 @@ is therefore the same for every tree, budget and batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,9 +127,15 @@ def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> AcceptResult:
 
 def _root_only(bonus: torch.Tensor) -> AcceptResult:
     """The acceptance of an empty tree (``max_depth`` 0): nothing accepted, ``bonus`` ``[bs]``
-    committed; what the general walk returns for it, in three small ops instead of ~20."""
-    zeros = torch.zeros(bonus.shape[0], 1, dtype=torch.long, device=bonus.device)
+    committed; what the general walk returns for it, with no op of its own."""
+    zeros = _root_path(bonus.shape[0], str(bonus.device))  # [bs, 1]
     return AcceptResult(zeros.view(-1), bonus, zeros, bonus.unsqueeze(1))
+
+
+@functools.lru_cache(maxsize=256)
+def _root_path(bs: int, device: str) -> torch.Tensor:
+    """``[bs, 1]`` int64 zeros, one per size and device, shared and never written."""
+    return torch.zeros(bs, 1, dtype=torch.long, device=device)
 
 
 def _per_row(value: torch.Tensor | float | int, bs: int, dtype, device) -> torch.Tensor:

@@ -7,6 +7,7 @@ the two without state, :class:`DDTreeSelector` and :class:`ChainSelector`; Graft
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -98,7 +99,13 @@ class ChainSelector(DDTreeSelector):
 
 
 def empty_tree(batch_size: int, device: torch.device | str) -> DraftTree:
-    """No draft nodes (``max_depth`` 0): the verify window is the root alone, a plain step."""
+    """No draft nodes (``max_depth`` 0): the verify window is the root alone, a plain step.
+    One per size and device, shared (it has no elements to write)."""
+    return _empty_tree(batch_size, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_tree(batch_size: int, device: str) -> DraftTree:
     long = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     return DraftTree(
         tokens=long,
