@@ -10,7 +10,7 @@
   the engine; the greedy chain drafts the reference's per-position marginals (its convolved
   forward) and accepts what ``dflash_generate`` does when the reference drafts them too (its
   own chain follows the candidate selector's path, which the engine does not use); a DDTREE
-  server refuses it in one line.
+  server takes it on SGLang 0.5.23 and refuses it in one line on 0.5.17.
 * The project's shipped drafters load in the reference: the small pair's drafter generates with
   ``dflash_generate`` what the chain generates, step by step; the SmolLM2 drafter's block hidden
   states equal the engine's.
@@ -44,6 +44,7 @@ from sglang_tree_spec.drafters import DFlashDrafter
 from sglang_tree_spec.engine import SpecEngine
 from sglang_tree_spec.engine.backend import TransformersBackend
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.validation import DDTreeConfigError, load_drafter
 
 VOCAB = 48
@@ -369,13 +370,18 @@ def test_dflash2_chain_equals_dflash_generate(reference, target, dflash2_pair, m
     assert max(accepted) > 1
 
 
-def test_dflash2_checkpoint_is_refused_by_the_server_in_one_line(dflash2_pair):
-    """The engine runs DFlash2; a DDTREE server refuses it at start-up in one line."""
+def test_dflash2_checkpoint_is_served_where_sglang_has_the_model(dflash2_pair):
+    """A DDTREE server takes the DFlash2 checkpoint on SGLang 0.5.23 (``test_sglang_dflash2``
+    serves one) and refuses it at start-up in one line on 0.5.17, which has no DFlash2 model."""
     path = dflash2_pair[2]
+    load_drafter.cache_clear()
+    if compat.SERVES_DFLASH2[compat.release()]:
+        assert load_drafter(str(path)).dflash2
+        return
     with pytest.raises(DDTreeConfigError) as error:
         load_drafter(str(path))
     assert str(error.value) == (
         f"DDTREE: --speculative-draft-model-path {path}: DFlash drafter "
-        "architectures=['DFlash2DraftModel'] is not served by DDTREE (DFlash2 drafters run in "
-        "the engine only)"
+        "architectures=['DFlash2DraftModel'] needs SGLang's DFlash2 model, which SGLang "
+        f"{compat.installed_version()} does not have (0.5.23 has it)"
     )

@@ -5,7 +5,8 @@ The unmodified ``python -m sglang.launch_server`` (and ``sglang.Engine``) with
 served in float32): greedy output equals the no-speculation server token for token on 24
 held-out prompts, one request at a time and 8 at once, at tree budgets 8 and 32. Also:
 ``/v1/chat/completions``, seeded sampling, the accept length in the metadata and the log, a
-stream aborted mid-way, and the same equality with grafting on. Penalties, ``min_new_tokens``
+stream aborted mid-way, the same equality with grafting on, and (SGLang 0.5.23) a DFlash2
+drafter. Penalties, ``min_new_tokens``
 and ``return_logprob`` are tests/test_sglang_ddtree_params.py's. The CPU pieces (tree-verify
 attention, KV moves, slot writes) come from this package's hooks; nothing else is patched.
 """
@@ -35,6 +36,7 @@ from transformers import AutoTokenizer
 
 from sglang_tree_spec.control import AUTO, REASONS
 from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR, heldout_prompts
+from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.step_clock import SKEW_ENV
 from sglang_tree_spec.plugin.worker import PIN_ENV_FLAG, PIN_PARAM
 from sglang_tree_spec.server_process import (
@@ -718,6 +720,88 @@ def test_engine_in_process_serves_ddtree(pair, prompts, baseline):
         engine.shutdown()
     assert [out["output_ids"] for out in outputs] == baseline["sequential"][:8]
     assert all(out["meta_info"]["spec_verify_ct"] < NEW_TOKENS for out in outputs)
+
+
+DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 8}
+# Verify steps the DFlash2 server may differ from the engine by, summed over its 8 requests (a
+# near-tie may rank two drafts apart under SGLang's attention): 0 measured; drafting over
+# blocks of the verify window's length instead of the drafter's block differed by 7.
+DFLASH2_STEP_SLACK = 2
+
+
+def dflash2_checkpoint(drafter: Path, out: Path) -> Path:
+    """``drafter`` (a DFlash v1 checkpoint) as a DFlash2 one at ``out``: its weights, plus
+    grouped dynamic convolutions around each layer's attention and MLP (base kernels that pass
+    each block slot through, noise on every tap, a random kernel projection) and random
+    candidate-selector weights, in the parameter names the DFlash authors' reference saves."""
+    config = json.loads((drafter / "config.json").read_text())
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"] = {**config["dflash_config"], **DFLASH2}
+    hidden, vocab, taps = config["hidden_size"], config["vocab_size"], DFLASH2["conv_kernel_size"]
+    groups, rank = hidden // DFLASH2["conv_group_size"], DFLASH2["selector_rank"]
+    state = load_file(drafter / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+
+    def noise(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    for layer in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = noise(2, taps, hidden, scale=0.2)
+            base[:, 0] += 1.0  # tap 0 passes the slot itself through
+            state[f"layers.{layer}.{conv}.base_kernel"] = base
+            projection = noise(2 * taps * groups, hidden, scale=0.05)
+            state[f"layers.{layer}.{conv}.kernel_projection.weight"] = projection
+    state["candidate_selector.predecessor_codebook"] = noise(vocab, rank, scale=0.1)
+    state["candidate_selector.successor_codebook"] = noise(vocab, rank, scale=0.1)
+    state["candidate_selector.hidden_projection.weight"] = noise(rank, hidden, scale=0.1)
+    out.mkdir(parents=True)
+    save_file(
+        {name: t.float().contiguous() for name, t in state.items()}, out / "model.safetensors"
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.mark.skipif(
+    not compat.SERVES_DFLASH2[compat.release()], reason="this SGLang has no DFlash2 model"
+)
+def test_a_dflash2_drafter_drafts_what_the_engine_drafts(
+    pair, prompts, baseline, offline_target, tmp_path_factory
+):
+    """A DFlash2 drafter (``DFlash2DraftModel``, SGLang 0.5.23; 0.5.17 refuses it at start-up,
+    ``test_dflash_reference``): the small pair's trained drafter made a DFlash2 one
+    (:func:`dflash2_checkpoint`), which drafts unlike the drafter it came from, and still well.
+    At budget 8, 8 requests at once: greedy output equals no speculation's, a seeded sample is
+    the target's own draw, and every request needs the verify steps the engine needs
+    (``drafters/dflash.py``, equal to the reference on DFlash2 checkpoints) within
+    ``DFLASH2_STEP_SLACK`` in all: the server drafts what the engine drafts."""
+    from sglang_tree_spec.drafters import DFlashDrafter
+    from sglang_tree_spec.engine import SpecEngine
+
+    root = tmp_path_factory.mktemp("dflash2")
+    dflash2 = {**pair, "drafter": dflash2_checkpoint(pair["drafter"], root / "drafter")}
+    for server in running_server(server_command(dflash2, free_port(), 8), root / "server.log"):
+        replies = server.greedy_replies(prompts[:8], 8)
+        sampled = [server.generate(prompt, **FILTERED) for prompt in prompts[:2]]
+    assert "type=DFlash2DraftModel" in (root / "server.log").read_text()
+    assert [reply["output_ids"] for reply in replies] == baseline["sequential"][:8]
+    for prompt, reply in zip(prompts[:2], sampled, strict=True):
+        ids = reply["output_ids"]
+        assert ids == offline_sample(offline_target, prompt, ids[0], len(ids), FILTERED)
+    drafter = DFlashDrafter.from_pretrained(dflash2["drafter"])
+    assert drafter.dflash2
+    results = SpecEngine(offline_target, drafter, method="ddtree", budget=8).generate(
+        prompts[:8], NEW_TOKENS, stop_token_ids=[]
+    )
+    assert [result.tokens for result in results] == baseline["sequential"][:8]
+    engine = [result.stats.steps for result in results]
+    served = [reply["meta_info"]["spec_verify_ct"] for reply in replies]
+    assert sum(engine) < 0.6 * 8 * NEW_TOKENS  # a useful drafter: most steps accept drafts
+    assert sum(abs(a - b) for a, b in zip(served, engine, strict=True)) <= DFLASH2_STEP_SLACK, (
+        served,
+        engine,
+    )
 
 
 def test_float32_copy_keeps_the_weights(pair):

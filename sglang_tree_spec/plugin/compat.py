@@ -110,8 +110,14 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         # 0.5.23 asks the decode graph runner class about gathers (graphs.py delegates).
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
         "decode_graph_gather_requirements",
+        # DFlash2 drafters: SGLang's model, whose block convolutions the worker sizes.
+        "sglang.srt.models.dflash.DFlash2DraftModel",
+        "sglang.srt.models.dflash.DFlashDraftModel.set_block_size",
     ),
 }
+
+# Whether the release serves DFlash2 drafters (``DFlash2DraftModel``; SGLang added it in 0.5.19).
+SERVES_DFLASH2: dict[str, bool] = {"0.5.17": False, "0.5.23": True}
 
 # Instance attributes of DFlashWorkerV2 the DDTREE worker reads or overrides (set in its
 # constructor, so checked on the constructed worker: :func:`check_worker_attributes`).

@@ -431,10 +431,11 @@ def load_drafter(path: str, revision: str | None = None) -> DFlashDrafter:
     except (ValueError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split())
         raise DDTreeConfigError(f"unsupported DFlash drafter {path}: {reason}") from None
-    if drafter.dflash2:  # no test shows a server's DFlash2 draft equals the engine's yet
+    if drafter.dflash2 and not compat.SERVES_DFLASH2[compat.release()]:
         raise DDTreeConfigError(
             f"--speculative-draft-model-path {path}: DFlash drafter architectures={architectures} "
-            "is not served by DDTREE (DFlash2 drafters run in the engine only)"
+            f"needs SGLang's DFlash2 model, which SGLang {compat.installed_version()} does not "
+            "have (0.5.23 has it)"
         )
     return drafter
 

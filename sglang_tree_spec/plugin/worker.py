@@ -143,6 +143,8 @@ def _define_worker() -> type:
             # DFlashWorkerV2 takes its block from --speculative-num-draft-tokens; for DDTREE
             # that is the verify window (budget + 1) and the block is the drafter's.
             self.block_size = int(server_args.speculative_dflash_block_size)
+            if compat.SERVES_DFLASH2[compat.release()]:  # DFlash2's convolutions run
+                self.draft_model.set_block_size(self.block_size)  # over blocks of this size
             self.block_pos_offsets = build_block_pos_offsets(
                 length=self.block_size, device=self.device
             )
