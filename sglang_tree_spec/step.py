@@ -314,7 +314,6 @@ class _PlainShape:
     Attributes:
         root: the empty ``[bs, 0]`` tree (each forward verifies its root alone).
         root_mask: ``[bs, 1, 1]`` bool, the root sees itself.
-        root_path: ``[bs, 1]`` int64 zeros, the kept path (the root, in place).
         one: ``[bs]`` int64 ones, tokens each forward commits.
         chain: the ``[bs, forwards - 1]`` chain the forwards amount to, less its tokens.
         accept_len: ``[bs]`` int64 ``forwards - 1``: every chain node accepted.
@@ -323,7 +322,6 @@ class _PlainShape:
 
     root: DraftTree
     root_mask: torch.Tensor
-    root_path: torch.Tensor
     one: torch.Tensor
     chain: DraftTree
     accept_len: torch.Tensor
@@ -346,7 +344,6 @@ def _plain_shape(bs: int, forwards: int, device: str) -> _PlainShape:
     return _PlainShape(
         root=empty_tree(bs, device),
         root_mask=torch.ones(bs, 1, 1, dtype=torch.bool, device=device),
-        root_path=long(bs, 1),
         one=long(bs) + 1,
         chain=chain,
         accept_len=long(bs) + nodes,
@@ -372,7 +369,7 @@ def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator,
         if selector is not None:  # Graft's table learns the root's successors
             selector.learn(shape.root, root, forward_logits, accept.committed_tokens)
         timer.mark("accept")
-        backend.keep(shape.root_path, shape.one)
+        backend.keep(accept.accepted_slots, shape.one)  # [bs, 1]: the root, in place
         timer.mark("commit")
         tokens.append(accept.bonus)
         # a replayed verify's logits live in its graph's static output, which the next forward
