@@ -65,6 +65,7 @@ from sglang_tree_spec.control.latency import (
     isotonic,
     layer_params,
     roofline_step_seconds,
+    verify_seconds,
 )
 from sglang_tree_spec.control.plan import Forecast, StepOutcome, StepPlan
 from sglang_tree_spec.control.policies import Explorations, Holds, PlainRuns, Policy, Profile
@@ -117,4 +118,5 @@ __all__ = [
     "rank_nodes",
     "roofline_step_seconds",
     "top_nodes",
+    "verify_seconds",
 ]

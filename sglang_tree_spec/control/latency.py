@@ -10,10 +10,21 @@ Prior (BASTION appendix F, simplified to the dominant terms), per forward of ``t
 
     bytes = params * dtype + bs * (c + tokens / bs) * 2 * layers * kv_heads * hd * dtype
     flops = 2 * matmul_params * tokens + 4 * layers * q_heads * hd * tokens * (c + tokens / bs)
-    t     = max(bytes / (bandwidth * bw_eff), flops / (peak * flops_eff))
+    t     = max(bytes / (bandwidth * bw_eff) + verify, flops / (peak * flops_eff))
 
 plus a fixed per-step overhead (scheduler, launches, sampling) and, for N > 0, a per-step draft
 overhead (tree build, layout) and the drafter's own roofline over bs * block tokens.
+
+``verify`` (the target's verify only, zero for a plain step and on the CPU) is what a measured
+verify costs over its first token a request that the weight reads do not hide, in units of one
+request's one-token step ``t1`` (overhead + forward), for ``w = N + 1`` tokens a request:
+
+    verify = t1 * max(verify_width * sqrt(w - 1), verify_token * bs * (w - 1))
+
+One request pays for its width (as the square root of its extra tokens: kernels' latency, not
+FLOPs); a batch pays per extra token, from the first one (compute that does not overlap the
+weight reads). Without it the roofline is flat up to the compute ridge (150-230 tokens a
+forward on an H100 / H200), and wide trees look free at small batches.
 
 Online (host floats, no device work): every measured step feeds (a) a per-device linear
 calibration measured ~= a * prior + b (decayed least squares over all cells, BASTION's
@@ -114,13 +125,30 @@ class DeviceSpec:
     flops_efficiency: float
     step_overhead_s: float  # every step: scheduler, kernel launches, sampling, host sync
     draft_overhead_s: float  # every drafted step: tree build, verify layout, acceptance
+    verify_width: float = 0.0  # one request's verify: x t1 per sqrt(extra tokens a request)
+    verify_token: float = 0.0  # a batch's verify: x t1 per extra token of the batch
+
+
+# Fitted to a public per-token cost table (eagle-harness 0.1.3's shipped profile
+# mi355x-qwen3.8-27b-tp1, target verify at context 512-1023 (bs 1) and < 2048 (bs 8)):
+# 11.99 / 14.33 / 15.50 / 17.02 ms at bs 1 and 12.67 / 15.92 / 20.50 / 28.65 ms at bs 8 for
+# 1 / 8 / 16 / 32 tokens a request; least squares of the bs 1 rows' extra over 11.99 ms on
+# sqrt(w - 1), of the bs 8 rows' on 8 * (w - 1). Taken as ratios to a one-token step, so the
+# same on H100 / H200 (their FLOP/byte ridges, 295 / 206, are near the MI355X's ~310). That
+# target is a hybrid (3 of 4 layers linear attention): a dense one may pay less for width.
+GPU_VERIFY_WIDTH = 0.075  # bs 1 at 8 / 16 / 32 tokens: x 1.20 / 1.29 / 1.42, as measured
+GPU_VERIFY_TOKEN = 0.0054  # bs 8: x 1.28 / 1.61 / 2.26 (measured 1.26 / 1.62 / 2.26)
 
 
 DEVICES: dict[str, DeviceSpec] = {
     # H100 SXM5 80 GB: HBM3 3.35 TB/s, bf16 dense 989 TFLOP/s.
-    "h100": DeviceSpec("H100 SXM", 3.35e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3),
+    "h100": DeviceSpec(
+        "H100 SXM", 3.35e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3, GPU_VERIFY_WIDTH, GPU_VERIFY_TOKEN
+    ),
     # H200 SXM 141 GB: HBM3e 4.8 TB/s, same compute as H100.
-    "h200": DeviceSpec("H200 SXM", 4.8e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3),
+    "h200": DeviceSpec(
+        "H200 SXM", 4.8e12, 989e12, 0.80, 0.60, 2.0e-3, 0.5e-3, GPU_VERIFY_WIDTH, GPU_VERIFY_TOKEN
+    ),
     # 2 x86 cores with AVX2 FMA, float32: 2 cores * 32 FLOP/cycle * ~3 GHz, ~20 GB/s DRAM.
     "cpu": DeviceSpec("CPU 2 cores AVX2 fp32", 20e9, 192e9, 0.5, 0.3, 5.0e-3, 2.0e-3),
 }
@@ -188,9 +216,16 @@ def dflash_drafter(target: ModelShape, layers: int) -> ModelShape:
 
 
 def forward_seconds(
-    shape: ModelShape, device: DeviceSpec, bs: int, tokens_per_request: int, context: int
+    shape: ModelShape,
+    device: DeviceSpec,
+    bs: int,
+    tokens_per_request: int,
+    context: int,
+    unhidden_s: float = 0.0,
 ) -> float:
-    """Roofline time of one forward of ``bs`` requests, ``tokens_per_request`` new tokens each."""
+    """Roofline time of one forward of ``bs`` requests, ``tokens_per_request`` new tokens each;
+    ``unhidden_s`` (:func:`verify_seconds`) adds to the memory-bound time, under the compute
+    bound."""
     tokens = bs * tokens_per_request
     span = context + tokens_per_request
     weight_bytes = shape.params * shape.dtype_bytes
@@ -199,7 +234,20 @@ def forward_seconds(
     flops += 4.0 * shape.layers * shape.q_heads * shape.head_dim * tokens * span
     memory_s = (weight_bytes + kv_bytes) / (device.mem_bandwidth * device.bw_efficiency)
     compute_s = flops / (device.peak_flops * device.flops_efficiency)
-    return max(memory_s, compute_s)
+    return max(memory_s + unhidden_s, compute_s)
+
+
+def verify_seconds(
+    target: ModelShape, device: DeviceSpec, bs: int, tokens_per_request: int, context: int
+) -> float:
+    """What a target verify of ``tokens_per_request`` tokens a request costs over its first one
+    beyond the roofline: ``t1 * max(verify_width * sqrt(w - 1), verify_token * bs * (w - 1))``,
+    ``t1`` one request's one-token step (see the module docstring; 0 on the CPU)."""
+    extra = tokens_per_request - 1
+    if extra <= 0 or not (device.verify_width or device.verify_token):
+        return 0.0
+    t1 = device.step_overhead_s + forward_seconds(target, device, 1, 1, context)
+    return t1 * max(device.verify_width * math.sqrt(extra), device.verify_token * bs * extra)
 
 
 def roofline_step_seconds(
@@ -212,7 +260,10 @@ def roofline_step_seconds(
     block: int = 16,
 ) -> float:
     """Prior C(bs, N): one decode step at budget N (0 = plain decode, no drafter)."""
-    seconds = device.step_overhead_s + forward_seconds(target, device, bs, budget + 1, context)
+    unhidden = verify_seconds(target, device, bs, budget + 1, context)
+    seconds = device.step_overhead_s + forward_seconds(
+        target, device, bs, budget + 1, context, unhidden
+    )
     if budget > 0:
         seconds += device.draft_overhead_s
         if drafter is not None:
