@@ -7,10 +7,11 @@
 #   bash launch/gpu-validate.sh --site-parts DIR         # offline: DIR from launch/gpu-site.sh
 #   bash launch/gpu-validate.sh --only exactness         # some steps (the installs always run)
 #   bash launch/gpu-validate.sh --dry-run                # the plan and the result skeleton only
-#   bash launch/gpu-validate.sh --site-parts DIR --quick --only environment exactness
-#   bash launch/gpu-validate.sh --site-parts DIR --quick --only throughput-triton
-#                                                        # a 15-minute lease, in two calls
-#                                                        # (an H200 run of 2026-11-28: 590 + 245 s)
+#   bash launch/gpu-validate.sh --site-parts DIR --quick --only environment defaults-8b
+#   bash launch/gpu-validate.sh --site-parts DIR --quick --only exactness
+#                                                        # a first GPU run: a 15-minute lease,
+#                                                        # two calls (--only throughput-triton
+#                                                        # takes the next lease)
 #   bash launch/gpu-validate.sh --help                   # every option
 #
 # The site comes from `bash launch/gpu-site.sh DIR`, run where PyPI is reachable: SGLang 0.5.17

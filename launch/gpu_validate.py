@@ -45,10 +45,21 @@ SERVER_ARGS_ENV = "SGLANG_TREE_SPEC_SERVER_ARGS"  # server_process.SERVER_ARGS_E
 QUICK_SERVER_ARGS = "--disable-prefill-cuda-graph"  # start-up time; decode/verify graphs stay
 QUICK_EXACTNESS = "triton and (baseline or small-none-overlap or large-none-sync)"
 CONCURRENCY = (1, 2, 4, 8, 16)
-MEASURE_STEPS = ("environment", "exactness", "tree-build", "throughput-triton",
+MEASURE_STEPS = ("environment", "defaults-8b", "exactness", "tree-build", "throughput-triton",
                  "throughput-flashinfer", "phases", "step-cost-8b")  # fmt: skip
 OPT_IN_STEPS = ("step-cost-8b",)  # planned only when --only names them
+QUICK_OPT_IN_STEPS = ("defaults-8b",)  # in --quick's plan; the full one's 30 minutes lack room
+# --quick on a first GPU lease: these calls (--only), each under 10 minutes, in one 15-minute
+# lease with the machine's start; throughput-triton (and phases) take the next lease.
+QUICK_CALLS = (("environment", "defaults-8b"), ("exactness",))
+LEASE_S = 15 * 60
+LEASE_START_S = 120  # a machine's start and transfers (the H200 lease: 590 s call with it)
 SHAPED_PAIR = Path(tempfile.gettempdir()) / "gpu-validate-llama-3.1-8b-shaped"  # 16 GB, not kept
+DEFAULTS_WINDOW = 33  # the README's launch line: largest tree budget 32, plus the root
+# weights ~40 s (8B drawn on the device, 16 GB written), DDTREE start-up ~180 s (load, JIT,
+# verify, draft and prefill capture at SGLang's default batch sizes), requests and stop ~20 s,
+# no speculation (eager) ~60 s, the script's stop margin 20 s
+DEFAULTS_BUDGET_S = 330
 PHASE_REPORT_EVERY = 25  # SGLANG_TREE_SPEC_STEP_TIMES of the phases step
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
@@ -123,11 +134,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         + " runs only when named here")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                         help="the throughput table's concurrencies")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="a 15-minute lease: exactness on "
-                        "triton at the small budget under overlap and the large one without, "
-                        "the table without the large budget, no tree-build step, servers "
-                        f"without prefill graphs ({QUICK_SERVER_ARGS}); run it as two calls: "
-                        "--only environment exactness, then --only throughput-triton")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a first GPU run: one 8B-shaped "
+                        "DDTREE server at SGLang's default capture arguments against no "
+                        "speculation (defaults-8b), exactness on triton at the small budget "
+                        "under overlap and the large one without, the table without the large "
+                        "budget, no tree-build step, the small pair's servers without prefill "
+                        f"graphs ({QUICK_SERVER_ARGS}); a 15-minute lease runs it as two calls, "
+                        + ", then ".join("--only " + " ".join(c) for c in QUICK_CALLS)
+                        + "; --only throughput-triton takes the next")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.target is None) != (args.drafter is None):
         parser.error("--target and --drafter go together")
@@ -274,6 +288,29 @@ def measure_steps(
         30, "torch sees the GPU; SGLang, the plugin and pytest import; record the versions",
         env=dict(env), outputs=["environment.json"],
     ))  # fmt: skip
+    shaped_target, shaped_drafter = SHAPED_PAIR / "target", SHAPED_PAIR / "drafter"
+    # The README's DDTREE launch line and nothing else: SGLang's default capture batch sizes,
+    # --cuda-graph-max-bs, --max-running-requests, attention backend and prefill graphs.
+    defaults_server = [python, "-m", "sglang.launch_server", "--model-path", str(shaped_target),
+                       "--speculative-algorithm", "DDTREE",
+                       "--speculative-draft-model-path", str(shaped_drafter),
+                       "--speculative-num-draft-tokens", str(DEFAULTS_WINDOW)]  # fmt: skip
+    steps.append(Step(
+        "defaults-8b",
+        [python, "launch/default_capture_check.py", "--shape", "llama-3.1-8b",
+         "--pair", str(SHAPED_PAIR), "--out", str(out / "defaults_8b.json"),
+         "--log", str(out / "servers-defaults-8b" / "ddtree.log"),
+         "--within", str(DEFAULTS_BUDGET_S), "--", *defaults_server],
+        DEFAULTS_BUDGET_S, "DDTREE at SGLang's default capture arguments on a Llama-3.1-8B-"
+        "shaped pair (models shaped-pair, random weights made on the device): the README's "
+        f"launch line (budget auto up to {DEFAULTS_WINDOW - 1}, no capture sizes, no "
+        "--cuda-graph-max-bs, no --max-running-requests, no --attention-backend, prefill "
+        "graphs as SGLang decides) starts, logs its capture plan and serves 4 greedy requests "
+        "at once equal to no speculation's (up to bf16 near-ties); the capture plan line, "
+        "SGLang's capture memory, the device memory after capture and after the requests and "
+        "the comparison go to defaults_8b.json",
+        env=dict(env), outputs=["defaults_8b.json", "servers-defaults-8b"],
+    ))  # fmt: skip
     steps.append(Step(
         "exactness",
         [python, "-m", "pytest", "-v", "-rA", "tests/test_gpu_exactness.py",
@@ -347,7 +384,7 @@ def measure_steps(
          f"--shape llama-3.1-8b --out {shaped} --device cuda && "
          + shlex.join([python, "benchmarks/serve_throughput.py", "--device", "cuda",
                        "--attention-backend", "triton", "--dtype", "bfloat16",
-                       "--target", f"{SHAPED_PAIR}/target", "--drafter", f"{SHAPED_PAIR}/drafter",
+                       "--target", str(shaped_target), "--drafter", str(shaped_drafter),
                        "--configs", "none", "ddtree:4", "ddtree:16", "ddtree:64",
                        "--concurrency", "1", "16", "--repeats", "1", "--prompts", "16",
                        "--prompt-tokens", "128", "--new-tokens", "32",
@@ -376,14 +413,25 @@ def measure_steps(
         "flashinfer JIT-compiles its kernels on first use unless its cubins are installed; "
         "a first run may spend minutes there",
     ]  # fmt: skip
+    if args.quick:
+        budget = {step.name: step.budget_s for step in steps}
+        calls = [sum(budget[name] for name in call) for call in QUICK_CALLS]
+        listed = [f"--only {' '.join(c)} ({b} s)" for c, b in zip(QUICK_CALLS, calls, strict=True)]
+        notes.append(
+            "--quick on a 15-minute lease: " + "; ".join(listed) + " (each plus the installs); "
+            "with the machine's start about "
+            f"{LEASE_START_S + sum(calls)} of {LEASE_S} s; --only throughput-triton takes the "
+            "next lease"
+        )
     facts |= {"target": str(target), "drafter": str(drafter), "budgets": [small, large],
               "tree_mask_cuda_graphs": graphs, "notes": notes}  # fmt: skip
     if args.quick:  # the tree build was timed on an H100 (results/tree_build_cuda_h100.json)
         steps = [step for step in steps if step.name != "tree-build"]
     if args.only:
         steps = [step for step in steps if step.name in args.only]
-    else:  # its own lease: 16 GB of random weights and four 8B servers
-        steps = [step for step in steps if step.name not in OPT_IN_STEPS]
+    else:  # step-cost-8b: its own lease (16 GB of random weights and four 8B servers)
+        opt_in = OPT_IN_STEPS + (() if args.quick else QUICK_OPT_IN_STEPS)
+        steps = [step for step in steps if step.name not in opt_in]
     return steps, facts
 
 

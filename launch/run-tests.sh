@@ -8,7 +8,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 RELEASE_TESTS=(
   tests/test_compat.py tests/test_plugin_registration.py tests/test_plugin_default_backend.py
-  tests/test_plugin_capture_plan.py tests/test_sglang_cpu_server.py
+  tests/test_plugin_capture_plan.py tests/test_verify_graph_wrappers.py
+  tests/test_sglang_cpu_server.py
   tests/test_sglang_ddtree.py tests/test_sglang_ddtree_overlap.py tests/test_sglang_ddtree_grammar.py
   tests/test_grammar_tree.py tests/test_step_accounting.py
   tests/test_dflash_reference.py tests/test_served_drafter_fields.py

@@ -217,15 +217,25 @@ def test_gpu_site_carries_what_the_h100_run_found_missing():
     assert not any(path.startswith(("flashinfer", "tvm_ffi/lib")) for path in trimmed)
 
 
-def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path):
-    """``--quick``: exactness at the small budget under overlap and the large one without (triton
-    only, so pytest keeps one baseline server), no tree build, the table without the large
-    budget; every server without prefill graphs; each call under 10 minutes."""
+def load_launch_module(name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclass looks itself up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path, monkeypatch):
+    """``--quick``: the 8B-shaped DDTREE server at SGLang's defaults, exactness at the small
+    budget under overlap and the large one without (triton only, so pytest keeps one baseline
+    server), no tree build, the table without the large budget; the small pair's servers
+    without prefill graphs; the first run's two calls each under 10 minutes and together, with
+    the machine's start, inside the lease."""
     out = tmp_path / "results"
     result = gpu_validate("--dry-run", "--quick", "--out", str(out), cache=tmp_path / "cache")
     assert result.returncode == 0, result.stderr
     steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
-    assert list(steps) == ["environment", "exactness", "throughput-triton", "phases"]
+    assert list(steps) == ["environment", "defaults-8b", "exactness", "throughput-triton", "phases"]
     exactness, table = steps["exactness"], steps["throughput-triton"]
     quick_cases = "-k 'triton and (baseline or small-none-overlap or large-none-sync)'"
     assert quick_cases in exactness["command"]
@@ -233,5 +243,74 @@ def test_quick_plan_fits_two_calls_of_a_fifteen_minute_lease(tmp_path):
     assert quick_table in table["command"]
     for step in (exactness, table):
         assert step["env"]["SGLANG_TREE_SPEC_SERVER_ARGS"] == "--disable-prefill-cuda-graph"
-    assert steps["environment"]["budget_s"] + exactness["budget_s"] < 600
-    assert table["budget_s"] + steps["phases"]["budget_s"] < 600
+    module = load_launch_module("gpu_validate", monkeypatch)
+    assert module.QUICK_CALLS == (("environment", "defaults-8b"), ("exactness",))
+    calls = [sum(steps[name]["budget_s"] for name in call) for call in module.QUICK_CALLS]
+    assert all(budget < 600 for budget in calls), calls
+    assert module.LEASE_START_S + sum(calls) <= 15 * 60
+    assert f"--only environment defaults-8b ({calls[0]} s); --only exactness" in result.stdout
+    assert table["budget_s"] + steps["phases"]["budget_s"] < 600  # the next lease's call
+
+
+def test_the_defaults_step_is_the_readme_launch_line_and_nothing_else(tmp_path, monkeypatch):
+    """``defaults-8b``: the 8B-shaped pair served with DDTREE's flags only (SGLang's default
+    capture sizes and prefill graphs, its default attention backend), checked against no
+    speculation; in the full plan only when named."""
+    out = tmp_path / "results"
+    result = gpu_validate("--dry-run", "--quick", "--out", str(out), cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    (step,) = [s for s in json.loads((out / "plan.json").read_text()) if s["name"] == "defaults-8b"]
+    argv = step["argv"]
+    server = argv[argv.index("--") + 1 :]
+    pair = str(load_launch_module("gpu_validate", monkeypatch).SHAPED_PAIR)
+    check = f"launch/default_capture_check.py --shape llama-3.1-8b --pair {pair}"
+    assert shlex.join(argv[1:6]) == check
+    assert server[1:] == [
+        "-m", "sglang.launch_server", "--model-path", f"{pair}/target",
+        "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", f"{pair}/drafter",
+        "--speculative-num-draft-tokens", "33",
+    ]  # fmt: skip
+    assert "SGLANG_TREE_SPEC_SERVER_ARGS" not in step["env"]  # prefill graphs as SGLang decides
+    assert f"--within {step['budget_s']} --" in shlex.join(argv)
+    full = gpu_validate("--dry-run", "--out", str(tmp_path / "full"), cache=tmp_path / "cache")
+    assert "[defaults-8b]" not in full.stdout
+    named = gpu_validate("--dry-run", "--only", "defaults-8b", "--out", str(tmp_path / "named"),
+                         cache=tmp_path / "cache")  # fmt: skip
+    assert "[defaults-8b]" in named.stdout
+
+
+def test_the_defaults_check_compares_with_no_speculation_up_to_near_ties(monkeypatch):
+    """``launch/default_capture_check.py``: no speculation's command is DDTREE's less its
+    speculative flags (eager), outputs are equal or differ first at a near-tie of no
+    speculation's two best log-probs, and the capture lines are read from both releases'
+    words."""
+    check = load_launch_module("default_capture_check", monkeypatch)
+    ddtree = ["python", "-m", "sglang.launch_server", "--model-path", "T",
+              "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "D",
+              "--speculative-num-draft-tokens=33"]  # fmt: skip
+    assert check.without_speculation(ddtree) == [
+        "python", "-m", "sglang.launch_server", "--model-path", "T", "--disable-cuda-graph"
+    ]  # fmt: skip
+
+    def reply(ids: list[int], gaps: list[float]) -> dict:
+        top = [[(-1.0, 0, None), (-1.0 - gap, 1, None)] for gap in gaps]
+        return {"output_ids": ids, "meta_info": {"output_top_logprobs": top}}
+
+    baseline = [reply([5, 6, 7], [2.0, 2.0, 2.0]), reply([5, 6, 7], [2.0, 0.1, 2.0]),
+                reply([5, 6, 7], [2.0, 0.7, 2.0])]  # fmt: skip
+    found = check.compare([[5, 6, 7], [5, 9, 9], [5, 9, 7]], baseline)
+    assert found == {
+        "equal": 1,
+        "near_ties": [{"request": 1, "token": 1, "top2_gap": 0.1}],
+        "differs": [{"request": 2, "token": 1, "top2_gap": 0.7}],
+    }
+    log = (
+        "DDTREE capture plan: 255 shapes (51 batch sizes x 5 budgets), 6.3 GiB: logits ...\n"
+        "Capture target decode CUDA graph end. Time elapsed: 41.20 s. elapsed=41.2 s, "
+        "mem usage=7.31 GB, avail mem=20.50 GB\n"
+    )
+    facts = check.log_facts(log)
+    assert facts["capture_plan"] == [log.splitlines()[0]]
+    assert facts["capture_memory"] == [
+        {"name": "target decode", "elapsed_s": 41.2, "mem_usage_gb": 7.31, "avail_gb": 20.5}
+    ]

@@ -143,6 +143,12 @@ MODEL_RUNNER_GRAPH_RUNNER = "decode_cuda_graph_runner"
 # is large enough (graphs.py); set (None until captured) in both tested releases' ``ModelRunner``.
 MODEL_RUNNER_GRAPH_OUTPUT = "graph_shared_output"
 
+# flashinfer's captured target-verify wrappers, a dict keyed by batch size alone (set in the
+# backend's constructor, planned by its out-of-graph hook, in both tested releases): DDTREE's
+# verify graphs keep one set per (batch size, budget) and hand a shape's back before its replay
+# plans them (graphs.py ``WrappersPerBatchSize``; tests/test_verify_graph_wrappers.py).
+BACKEND_VERIFY_WRAPPERS = "prefill_cuda_graph_metadata"
+
 # Attributes of SGLang's scheduler ``Req`` the DDTREE worker and the finish hook (finish.py) read
 # (checked on a real Req by tests/test_compat.py).
 REQ_ATTRIBUTES = (

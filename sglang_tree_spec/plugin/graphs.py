@@ -21,6 +21,11 @@ runner and ``DFlashVerifyInput.prepare_for_verify`` call (``can_run_graph``, ``l
   where the model runner has one large enough, through ``ForwardBatch.next_token_logits_buffer``)
   and the hidden states the drafter reads, copied in by the captured forward; the rest of a
   forward's memory returns to the graph pool, so a shape costs no output memory of its own;
+* keeps each shape's own captured attention state where the backend keys it by batch size
+  alone (flashinfer's target-verify wrappers, each with its own plan workspace: the capture of
+  a second budget would replace the first's, and its replays would plan the wrong window's
+  wrappers): :class:`WrappersPerBatchSize` hands a shape's wrappers back before its replay
+  plans them;
 * captures batch sizes up to the speculation cap only (:mod:`.capture_plan`: the largest batch
   whose buffers fit in a share of device memory); the worker runs larger batches as plain
   steps. The plan is logged at start-up.
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -81,6 +86,58 @@ def ddtree_decode_graph_runner_cls(original: Any, model_runner: Any) -> type:
     if get_server_args().speculative_algorithm == ALGORITHM and not model_runner.is_draft_worker:
         return DDTreeVerifyGraphs
     return original(model_runner)
+
+
+class VerifyWrappers(Protocol):
+    """The backend's captured target-verify state of each shape (batch size, window), beyond
+    what SGLang's capture hooks rebuild per shape."""
+
+    def keep(self, key: tuple[int, int]) -> None:
+        """After the capture-time metadata of shape ``key``: keep what its graph reads."""
+
+    def restore(self, key: tuple[int, int]) -> None:
+        """Before the replay-time metadata of shape ``key``: hand it back to the backend."""
+
+
+class StatePerShape:
+    """A backend whose capture hook builds each shape's state anew and whose replay hook
+    refills that shape's (triton: static views, one metadata per capture): nothing to keep."""
+
+    def keep(self, key: tuple[int, int]) -> None:
+        return None
+
+    def restore(self, key: tuple[int, int]) -> None:
+        return None
+
+
+class WrappersPerBatchSize:
+    """A backend that keeps its captured target-verify wrappers per batch size only, in the
+    dict ``backend.<compat.BACKEND_VERIFY_WRAPPERS>[bs]`` (flashinfer). Its capture hook makes
+    new wrappers for every shape and files them under the batch size, so after the capture of
+    (bs, W') its replay hook plans the W' wrappers for a (bs, W) replay while the (bs, W) graph
+    reads its own, unplanned (and, dropped from the dict, freed) plan workspace. Keeps every
+    shape's wrappers and files them back before the shape's replay plans them."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.kept: dict[tuple[int, int], Any] = {}
+
+    def _table(self) -> dict[int, Any]:
+        return getattr(self.backend, compat.BACKEND_VERIFY_WRAPPERS)
+
+    def keep(self, key: tuple[int, int]) -> None:
+        self.kept[key] = self._table()[key[0]]
+
+    def restore(self, key: tuple[int, int]) -> None:
+        self._table()[key[0]] = self.kept[key]
+
+
+def verify_wrappers(backend: Any) -> VerifyWrappers:
+    """:class:`WrappersPerBatchSize` for a backend with a per-batch-size wrapper dict, else
+    :class:`StatePerShape`."""
+    if isinstance(getattr(backend, compat.BACKEND_VERIFY_WRAPPERS, None), dict):
+        return WrappersPerBatchSize(backend)
+    return StatePerShape()
 
 
 class _Buffers:
@@ -162,6 +219,7 @@ class DDTreeVerifyGraphs:
         self.replays: dict[tuple[int, int], int] = {}
         self.eager_shapes: set[tuple[int, int]] = set()
         self.backend_plans = self._init_backend_graph_state()
+        self.wrappers = verify_wrappers(self.attn_backend)
         self.capture()
 
     def _model_shape(self, server_args: Any) -> dict[str, int]:
@@ -307,6 +365,7 @@ class DDTreeVerifyGraphs:
                     self._metadata_out_of_graph(
                         forward_batch, bs * window * (self.SEQ_LEN_FILL + window), True
                     )
+                    self.wrappers.keep(key)
                     run = self._closure(forward_batch)
                     if self.replay_mode != "cuda":
                         self._graphs[key] = run
@@ -325,6 +384,12 @@ class DDTreeVerifyGraphs:
             self.capture_bs,
             [w - 1 for w in self.windows],
         )
+        if isinstance(self.wrappers, WrappersPerBatchSize):
+            logger.info(
+                "DDTREE verify graphs: the backend's target-verify wrappers kept per shape "
+                "(%d sets)",
+                len(self.wrappers.kept),
+            )
         logger.info(
             "DDTREE capture plan: %s (logits %s); speculates up to batch size %d (%.0f%% of "
             "%.1f GiB), plain steps above",
@@ -420,6 +485,7 @@ class DDTreeVerifyGraphs:
         static.seq_lens_sum = int(buf.seq_lens_cpu[:bs].sum())
         if self.backend_plans:
             used = mask.numel() + (bs - raw_bs) * window * (self.SEQ_LEN_FILL + window)
+            self.wrappers.restore(key)
             self._metadata_out_of_graph(static, used, False)
         self.bs = bs
         self._loaded = (forward_batch, key, raw_tokens)

@@ -46,8 +46,8 @@ SUPPORTED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
     "cpu": ("torch_native", "triton"),
 }
 INTERPRETED_ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("triton",)}
-# DDTREE's backend when none is given and SGLang's default is not one of the above: triton, as
-# flashinfer keeps its captured target-verify wrappers per batch size, not per window.
+# DDTREE's backend when none is given and SGLang's default is not one of the above: triton, which
+# keeps no plan workspace per captured verify shape (flashinfer: 8 MiB per batch size and budget).
 DEFAULT_ATTENTION_BACKENDS: dict[str, str] = {"cuda": "triton"}
 # Why SGLang's default cannot verify a tree, per backend it may choose on CUDA (fa3: Hopper's).
 UNSUPPORTED_DEFAULT_REASONS: dict[str, str] = {
