@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The test suite: lint, SGLang 0.5.17's whole suite, then SGLang 0.5.23's release checks and
-# real-server tests. One after the other: side by side on two cores each ran about three times
-# slower (every CPU server test runs several busy processes). Extra arguments go to both runs
-# (e.g. -x, -k). On 0.5.23 tests marked one_release (engine code both releases share) do not run.
+# real-server tests. Each run takes two test files at a time (pytest-xdist, one file per worker:
+# a module's servers stay in its worker), every process on one thread: a CPU server test is
+# mostly one busy process at a time, so two files share two cores with little waiting, where one
+# torch thread pool per core per process would oversubscribe them. Extra arguments go to both
+# runs (e.g. -x, -k; -n 0 for one file at a time). On 0.5.23 tests marked one_release (engine
+# code both releases share) do not run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -16,5 +19,7 @@ RELEASE_TESTS=(
 )
 
 .venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
-.venv-0.5.23/bin/python -m pytest -m "not one_release" "${RELEASE_TESTS[@]}" "$@"
+export OMP_NUM_THREADS=1
+parallel=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
+.venv-0.5.23/bin/python -m pytest "${parallel[@]}" -m "not one_release" "${RELEASE_TESTS[@]}" "$@"
