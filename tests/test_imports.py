@@ -1,6 +1,6 @@
-"""The package's shape: no import cycle between its modules.
+"""The package's shape: no import cycle between its modules, no function too long to read.
 
-It reads the source with ``ast`` (nothing is imported). An import counts when it runs as its
+Both read the source with ``ast`` (nothing is imported). An import counts when it runs as its
 module is imported: at module level, in a class body or under a module-level ``if`` / ``try``;
 not inside a function (a lazy import) and not under ``if TYPE_CHECKING:``.
 """
@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sglang_tree_spec"
+MAX_FUNCTION_LINES = 80  # def line to last line: a longer function reads as several
 
 
 def module_name(path: Path) -> str:
@@ -103,3 +104,21 @@ def test_the_import_graph_is_read_from_the_source():
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in found)
+
+
+def function_lengths() -> list[tuple[str, int]]:
+    """``(module.function, lines from its def line to its last line)`` of every function,
+    methods and nested functions included."""
+    lengths = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lengths.append((f"{name}.{node.name}", node.end_lineno - node.lineno + 1))
+    return lengths
+
+
+def test_no_function_is_longer_than_the_limit():
+    lengths = function_lengths()
+    assert "sglang_tree_spec.plugin.worker._decode" in dict(lengths)  # methods count too
+    long = [f"{name} ({lines} lines)" for name, lines in lengths if lines > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
