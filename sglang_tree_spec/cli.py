@@ -117,7 +117,14 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
         description="Tree speculative decoding (DDTree) for SGLang: tools and demos.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_tree_demo(commands)
+    _add_demo(commands)
+    _add_generate(commands)
+    _add_models(commands, with_models)
+    return parser
 
+
+def _add_tree_demo(commands: argparse._SubParsersAction) -> None:
     tree_demo = commands.add_parser(
         "tree-demo", help="optimal DDTree trees vs the DFlash chain on embedded marginals"
     )
@@ -126,6 +133,8 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     tree_demo.add_argument("--seed", type=int, default=0)
     tree_demo.set_defaults(handler=_tree_demo)
 
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo", help="ar vs DFlash chain vs DDTree on the committed small pair (CPU)"
     )
@@ -135,6 +144,8 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.set_defaults(handler=_demo)
 
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="generate with ar, chain or ddtree; print stats")
     gen.add_argument("--target", required=True, help="transformers target model directory")
     gen.add_argument("--drafter", help="DFlash drafter directory (chain, ddtree)")
@@ -158,6 +169,9 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.set_defaults(handler=_generate)
 
+
+def _add_models(commands: argparse._SubParsersAction, with_models: bool) -> None:
+    """The ``models`` commands; their options only ``with_models`` (see :func:`build_parser`)."""
     models = commands.add_parser("models", help="model zoo: fetch targets, train drafters")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     fetch = model_commands.add_parser(
@@ -198,7 +212,6 @@ def build_parser(with_models: bool = True) -> argparse.ArgumentParser:
     regen.set_defaults(handler=_regen_data)
     pair.set_defaults(handler=_build_small_pair)
     shaped.set_defaults(handler=_shaped_pair)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

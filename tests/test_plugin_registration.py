@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 from sglang_tree_spec.drafters import DFlashDrafter
 from sglang_tree_spec.plugin import compat, register
 from sglang_tree_spec.plugin.compat import RELEASES, check_release
-from sglang_tree_spec.plugin.hooks import installed_hooks
+from sglang_tree_spec.plugin.entry import installed_hooks
 
 SGLANG_VERSION = check_release()  # the installed release (a tested one; else this fails)
 HOOKS = installed_hooks()

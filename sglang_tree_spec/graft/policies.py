@@ -419,10 +419,8 @@ def graft_unified(
     _check_roots(topk_tokens, root_tokens)
     if edges.k != table.k:
         raise ValueError(f"edges.k = {edges.k} does not match the table's k = {table.k}")
-    bs, depth_count, top = topk_tokens.shape
-    k = table.k
+    bs, depth_count, _ = topk_tokens.shape
     device = topk_tokens.device
-    width = top + k  # children per parent: drafted, then retrieved
     lp_all = topk_logprobs.float().clamp_min(LOGPROB_FLOOR)
     drafted_all = topk_tokens.to(torch.long)
     # Per depth, the drafted tokens sorted (contiguous rows, for the search of row tokens).
@@ -430,59 +428,155 @@ def graft_unified(
     log_p_all, retrieved_log_p_all = edges.log_probs_by_evidence(
         topk_logprobs.float().exp(), partitions
     )  # [bs, L, K, S * (k + 2)], [bs, L, S, k]
-    ranks = torch.arange(k, device=device)
+    ranks = torch.arange(table.k, device=device)
     # The parents of the current depth: the root (run 0), then the previous beam.
-    parent_tokens = root_tokens.to(torch.long).view(bs, 1)
-    parent_run = torch.zeros(bs, 1, dtype=torch.long, device=device)
-    parent_score = torch.zeros(bs, 1, device=device)
-    parent_lp = torch.zeros(bs, 1, device=device)
+    parents = _Beam(
+        tokens=root_tokens.to(torch.long).view(bs, 1),
+        run=torch.zeros(bs, 1, dtype=torch.long, device=device),
+        score=torch.zeros(bs, 1, device=device),
+        logprobs=torch.zeros(bs, 1, device=device),
+    )
     beams: list[tuple[torch.Tensor, ...]] = []  # (score, token, parent, logprob) [bs, B]
     for d in range(depth_count):
-        n_parents = parent_tokens.shape[1]
-        rows = table.rows(parent_tokens, partitions)  # [bs, P, k]; parents are real tokens
-        known = rows != UNKNOWN
-        # Where each row token sits among the drafted tokens (sorted search, not [P, K, k]).
-        flat_rows = rows.view(bs, n_parents * k)
-        at = torch.searchsorted(sorted_all[d], flat_rows).clamp_max_(top - 1)
-        in_draft = (sorted_all[d].gather(1, at) == flat_rows).view(bs, n_parents, k) & known
-        column = torch.where(in_draft, order_all[d].gather(1, at).view(bs, n_parents, k), top)
-        # Evidence of the drafted children: their rank in the parent's row, else absent or
-        # unseen (column ``top`` absorbs the row tokens the drafter does not propose).
-        evidence = (k + known.all(dim=2, keepdim=True).logical_not()).expand(-1, -1, top + 1)
-        evidence = evidence.scatter(2, column, ranks.expand(bs, n_parents, k))[:, :, :top]
-        cell = parent_run.unsqueeze(2) * (k + 2) + evidence  # [bs, P, K]
-        drafted_log_p = log_p_all[:, d].unsqueeze(1).expand(-1, n_parents, -1, -1)
-        drafted_log_p = drafted_log_p.gather(3, cell.unsqueeze(3)).squeeze(3)  # [bs, P, K]
-        by_run = retrieved_log_p_all[:, d].gather(1, parent_run.unsqueeze(2).expand(-1, -1, k))
-        retrieved_log_p = torch.where(known & ~in_draft, by_run, float("-inf"))  # [bs, P, k]
-        # [bs, P * (K + k)]: drafted children, then retrieved ones; -inf under invalid parents
-        score = parent_score.unsqueeze(2) + torch.cat([drafted_log_p, retrieved_log_p], 2)
-        score = score.flatten(1)
-        best = torch.topk(score, min(budget, score.shape[1]), dim=1, sorted=True)
-        beam_score, chosen = best.values, best.indices
-        if beam_score.shape[1] < budget:  # a lattice narrower than the budget (depth 1)
-            beam_score = F.pad(beam_score, (0, budget - beam_score.shape[1]), value=-math.inf)
-            chosen = F.pad(chosen, (0, budget - chosen.shape[1]))
-        beam_parent, child = chosen // width, chosen % width
-        is_drafted = child < top
-        drafted_child = child.clamp_max(top - 1)
-        beam_token = torch.where(
-            is_drafted,
-            drafted_all[:, d].gather(1, drafted_child),
-            flat_rows.gather(1, beam_parent * k + (child - top).clamp_min_(0)).clamp_min_(0),
+        rows = table.rows(parents.tokens, partitions)  # [bs, P, k]; parents are real tokens
+        children = _row_evidence(rows, sorted_all[d], order_all[d], ranks)
+        score = _child_scores(parents, children, log_p_all[:, d], retrieved_log_p_all[:, d])
+        beam_score, chosen = _best_children(score, budget)
+        beam_parent, beam = _beam_nodes(
+            chosen, beam_score, parents, children, drafted_all[:, d], lp_all[:, d]
         )
-        edge_lp = torch.where(is_drafted, lp_all[:, d].gather(1, drafted_child), LOGPROB_FLOOR)
-        beam_lp = parent_lp.gather(1, beam_parent) + edge_lp
-        drafted_in_row = evidence.flatten(1).gather(1, beam_parent * top + drafted_child) < k
-        in_row = ~is_drafted | drafted_in_row  # a retrieved child is in its parent's row
-        beam_run = extend_run(parent_run.gather(1, beam_parent), in_row)
         parent_index = beam_parent + (d - 1) * budget if d > 0 else torch.full_like(chosen, -1)
-        beams.append((beam_score, beam_token, parent_index, beam_lp))
-        parent_tokens, parent_score, parent_lp = beam_token, beam_score, beam_lp
-        parent_run = beam_run
+        beams.append((beam.score, beam.tokens, parent_index, beam.logprobs))
+        parents = beam
+    return _best_of_beams(beams, budget, depth_count)
 
+
+@dataclass(frozen=True)
+class _Beam:
+    """One depth's nodes of :func:`graft_unified` (the root alone before depth 1). ``[bs, P]``.
+
+    Attributes:
+        tokens: int64 the nodes' tokens.
+        run: int64 edges in a row ending at the node that were in their parent's rows.
+        score: float32 the product of edge probabilities on the path, as a log (-inf: none).
+        logprobs: float32 the path log-probability under the drafter's marginals (floored).
+    """
+
+    tokens: torch.Tensor
+    run: torch.Tensor
+    score: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _RowEvidence:
+    """Where each parent's table row meets the drafter's tokens at the next depth.
+
+    Attributes:
+        known: ``[bs, P, k]`` bool, a row entry is a known token.
+        flat_rows: ``[bs, P * k]`` int64 the parents' rows, parent-major.
+        in_draft: ``[bs, P, k]`` bool, a known row token the drafter also proposes.
+        evidence: ``[bs, P, K]`` int64 each drafted child's rank in its parent's row, else
+            ``k`` (absent from a full row) or ``k + 1`` (unseen).
+    """
+
+    known: torch.Tensor
+    flat_rows: torch.Tensor
+    in_draft: torch.Tensor
+    evidence: torch.Tensor
+
+
+def _row_evidence(
+    rows: torch.Tensor,
+    sorted_drafted: torch.Tensor,
+    drafted_order: torch.Tensor,
+    ranks: torch.Tensor,
+) -> _RowEvidence:
+    """The evidence of the children of parents with table ``rows [bs, P, k]``, from one depth's
+    drafted tokens sorted ``sorted_drafted [bs, K]``, their columns ``drafted_order [bs, K]``
+    and ``ranks = arange(k)`` (a sorted search, not a ``[P, K, k]`` comparison)."""
+    bs, n_parents, k = rows.shape
+    top = sorted_drafted.shape[1]
+    known = rows != UNKNOWN
+    flat_rows = rows.view(bs, n_parents * k)
+    at = torch.searchsorted(sorted_drafted, flat_rows).clamp_max_(top - 1)
+    in_draft = (sorted_drafted.gather(1, at) == flat_rows).view(bs, n_parents, k) & known
+    column = torch.where(in_draft, drafted_order.gather(1, at).view(bs, n_parents, k), top)
+    # Evidence of the drafted children: their rank in the parent's row, else absent or
+    # unseen (column ``top`` absorbs the row tokens the drafter does not propose).
+    evidence = (k + known.all(dim=2, keepdim=True).logical_not()).expand(-1, -1, top + 1)
+    evidence = evidence.scatter(2, column, ranks.expand(bs, n_parents, k))[:, :, :top]
+    return _RowEvidence(known, flat_rows, in_draft, evidence)
+
+
+def _child_scores(
+    parents: _Beam, children: _RowEvidence, log_p: torch.Tensor, retrieved_log_p: torch.Tensor
+) -> torch.Tensor:
+    """``[bs, P * (K + k)]`` the children's scores, each parent's drafted children then its
+    retrieved ones (-inf where there is none), from one depth's edge log-probabilities
+    ``log_p [bs, K, S * (k + 2)]`` by (run, evidence) and ``retrieved_log_p [bs, S, k]``."""
+    n_parents, k = children.known.shape[1:]
+    cell = parents.run.unsqueeze(2) * (k + 2) + children.evidence  # [bs, P, K]
+    drafted_log_p = log_p.unsqueeze(1).expand(-1, n_parents, -1, -1)
+    drafted_log_p = drafted_log_p.gather(3, cell.unsqueeze(3)).squeeze(3)  # [bs, P, K]
+    by_run = retrieved_log_p.gather(1, parents.run.unsqueeze(2).expand(-1, -1, k))
+    retrieved = children.known & ~children.in_draft
+    retrieved_log_p = torch.where(retrieved, by_run, float("-inf"))  # [bs, P, k]
+    # [bs, P * (K + k)]: drafted children, then retrieved ones; -inf under invalid parents
+    score = parents.score.unsqueeze(2) + torch.cat([drafted_log_p, retrieved_log_p], 2)
+    return score.flatten(1)
+
+
+def _best_children(score: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``budget`` best of the children ``score [bs, C]``: ``[bs, B]`` scores (sorted
+    descending, -inf past the lattice's width) and child indices."""
+    best = torch.topk(score, min(budget, score.shape[1]), dim=1, sorted=True)
+    beam_score, chosen = best.values, best.indices
+    if beam_score.shape[1] < budget:  # a lattice narrower than the budget (depth 1)
+        beam_score = F.pad(beam_score, (0, budget - beam_score.shape[1]), value=-math.inf)
+        chosen = F.pad(chosen, (0, budget - chosen.shape[1]))
+    return beam_score, chosen
+
+
+def _beam_nodes(
+    chosen: torch.Tensor,
+    beam_score: torch.Tensor,
+    parents: _Beam,
+    children: _RowEvidence,
+    drafted: torch.Tensor,
+    lp: torch.Tensor,
+) -> tuple[torch.Tensor, _Beam]:
+    """The chosen children ``chosen [bs, B]`` (indices into each parent's ``K + k``) as the
+    next beam, with their parents' positions ``[bs, B]`` in ``parents``; ``drafted`` and
+    ``lp`` are the depth's drafted tokens and floored log-probs ``[bs, K]``."""
+    top = drafted.shape[1]
+    k = children.known.shape[2]
+    width = top + k  # children per parent: drafted, then retrieved
+    beam_parent, child = chosen // width, chosen % width
+    is_drafted = child < top
+    drafted_child = child.clamp_max(top - 1)
+    retrieved_at = beam_parent * k + (child - top).clamp_min_(0)
+    beam_token = torch.where(
+        is_drafted,
+        drafted.gather(1, drafted_child),
+        children.flat_rows.gather(1, retrieved_at).clamp_min_(0),
+    )
+    edge_lp = torch.where(is_drafted, lp.gather(1, drafted_child), LOGPROB_FLOOR)
+    beam_lp = parents.logprobs.gather(1, beam_parent) + edge_lp
+    drafted_in_row = children.evidence.flatten(1).gather(1, beam_parent * top + drafted_child) < k
+    in_row = ~is_drafted | drafted_in_row  # a retrieved child is in its parent's row
+    beam_run = extend_run(parents.run.gather(1, beam_parent), in_row)
+    return beam_parent, _Beam(beam_token, beam_run, beam_score, beam_lp)
+
+
+def _best_of_beams(
+    beams: list[tuple[torch.Tensor, ...]], budget: int, depth_count: int
+) -> DraftTree:
+    """The tree of the ``budget`` best nodes of all beams (``(score, token, parent, logprob)``
+    ``[bs, B]`` per depth), by score descending then depth ascending."""
     score, tokens, parents, logprobs = (torch.cat(x, dim=1) for x in zip(*beams, strict=True))
-    depths = torch.arange(1, depth_count + 1, device=device).repeat_interleave(budget)
+    bs = score.shape[0]
+    depths = torch.arange(1, depth_count + 1, device=score.device).repeat_interleave(budget)
     valid = score > float("-inf")
     # Unique key: position in (score desc, depth asc, beam position asc) order; the beams are
     # laid out depth-major and sorted, so a stable sort of the scores gives it.

@@ -747,18 +747,7 @@ def train_dflash(cfg: TrainConfig) -> Path:
     ``train_log.jsonl`` every ``log_every`` steps (loss, mean and slot-1 accuracy, lr) plus a
     held-out record per evaluation and a ``stopped`` record when a stop rule ends the run.
     """
-    if not 2 <= cfg.block_size < cfg.seq_len:
-        raise ValueError(f"need 2 <= block_size < seq_len, got {cfg.block_size}, {cfg.seq_len}")
-    if not (Path(cfg.target) / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"no transformers model at {cfg.target} (missing {CONFIG_NAME})")
-    if isinstance(cfg.data, str) and not Path(cfg.data).is_file():
-        raise FileNotFoundError(f"training data {cfg.data} does not exist")
-    if cfg.stop_heldout_acc is not None and cfg.heldout_records == 0:
-        raise ValueError("stop_heldout_acc needs heldout_records > 0")
-    if cfg.init_from and cfg.init_from_target:
-        raise ValueError("init_from and init_from_target are two starting points: pick one")
-    if cfg.teacher_labels and not (cfg.feature_cache and cfg.cache_topk >= 1):
-        raise ValueError("teacher_labels needs a feature_cache with cache_topk >= 1")
+    _check_config(cfg)
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -790,12 +779,7 @@ def train_dflash(cfg: TrainConfig) -> Path:
         loss, step_correct, step_counted = train_step(
             drafter, target, batch, cfg, generator, full_loss
         )
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        optimizer.step()
+        _optimize(drafter, optimizer, loss, lr_at(step, cfg), cfg.grad_clip)
         correct += step_correct
         counted += step_counted
         loss_sum, loss_steps = loss_sum + loss.item(), loss_steps + 1
@@ -808,17 +792,7 @@ def train_dflash(cfg: TrainConfig) -> Path:
             counted.zero_()
             loss_sum, loss_steps = 0.0, 0
         if heldout is not None and (done % eval_every == 0 or done == end):
-            result = {"step": done, **heldout_acceptance(drafter, target, heldout)}
-            _append_log(out, result)
-            progress.write(
-                f"step {done}: held-out slot-1 acceptance {result['heldout_acc_slot1']:.3f}, "
-                f"chain tau {result['heldout_tau']:.3f} ({result['heldout_blocks']} blocks)"
-            )
-            if (
-                cfg.stop_heldout_acc is not None
-                and result["heldout_acc_slot1"] >= cfg.stop_heldout_acc
-            ):
-                stopped = f"held-out slot-1 acceptance >= {cfg.stop_heldout_acc}"
+            stopped = _evaluate(drafter, target, heldout, done, cfg, out, progress)
         if stopped is None and cfg.max_minutes is not None and done != end:
             if time.monotonic() - began >= 60.0 * cfg.max_minutes:
                 stopped = f"{cfg.max_minutes} minutes of training"
@@ -831,6 +805,60 @@ def train_dflash(cfg: TrainConfig) -> Path:
     progress.close()
     save_checkpoint(drafter, optimizer, max(start, done), cfg)
     return out
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    """Refuse a configuration :func:`train_dflash` cannot run, before loading anything."""
+    if not 2 <= cfg.block_size < cfg.seq_len:
+        raise ValueError(f"need 2 <= block_size < seq_len, got {cfg.block_size}, {cfg.seq_len}")
+    if not (Path(cfg.target) / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"no transformers model at {cfg.target} (missing {CONFIG_NAME})")
+    if isinstance(cfg.data, str) and not Path(cfg.data).is_file():
+        raise FileNotFoundError(f"training data {cfg.data} does not exist")
+    if cfg.stop_heldout_acc is not None and cfg.heldout_records == 0:
+        raise ValueError("stop_heldout_acc needs heldout_records > 0")
+    if cfg.init_from and cfg.init_from_target:
+        raise ValueError("init_from and init_from_target are two starting points: pick one")
+    if cfg.teacher_labels and not (cfg.feature_cache and cfg.cache_topk >= 1):
+        raise ValueError("teacher_labels needs a feature_cache with cache_topk >= 1")
+
+
+def _optimize(
+    drafter: DFlashDrafter,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    lr: float,
+    grad_clip: float,
+) -> None:
+    """One optimizer step on ``loss`` at learning rate ``lr``, gradients clipped."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    optimizer.step()
+
+
+def _evaluate(
+    drafter: DFlashDrafter,
+    target: PreTrainedModel,
+    heldout: HeldOut,
+    done: int,
+    cfg: TrainConfig,
+    out: Path,
+    progress: tqdm,
+) -> str | None:
+    """Log the held-out acceptance after ``done`` steps; the stop rule's reason when
+    ``stop_heldout_acc`` is reached, else None."""
+    result = {"step": done, **heldout_acceptance(drafter, target, heldout)}
+    _append_log(out, result)
+    progress.write(
+        f"step {done}: held-out slot-1 acceptance {result['heldout_acc_slot1']:.3f}, "
+        f"chain tau {result['heldout_tau']:.3f} ({result['heldout_blocks']} blocks)"
+    )
+    if cfg.stop_heldout_acc is not None and result["heldout_acc_slot1"] >= cfg.stop_heldout_acc:
+        return f"held-out slot-1 acceptance >= {cfg.stop_heldout_acc}"
+    return None
 
 
 def _append_log(out: Path, record: dict) -> None:
@@ -859,6 +887,14 @@ def _log_record(
 
 def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``sglang-tree-spec models train-drafter``."""
+    _add_run_args(parser)
+    _add_feature_args(parser)
+    _add_heldout_args(parser)
+    _add_start_args(parser)
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The target, data and output; the drafter's shape, the optimisation and the checkpoints."""
     d = TrainConfig.__dataclass_fields__
     parser.add_argument("--target", required=True, help="target model directory (transformers)")
     parser.add_argument("--out", required=True, help="output directory of the drafter")
@@ -886,6 +922,11 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop and save at this step (resume later, e.g. with other batch settings)",
     )
+
+
+def _add_feature_args(parser: argparse.ArgumentParser) -> None:
+    """The target's cached features and the shortlist loss over them."""
+    d = TrainConfig.__dataclass_fields__
     parser.add_argument(
         "--feature-cache",
         default=None,
@@ -912,6 +953,11 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         help="full-vocabulary loss for the first N steps, then the shortlist (least faithful "
         "at random init)",
     )
+
+
+def _add_heldout_args(parser: argparse.ArgumentParser) -> None:
+    """The held-out records, their evaluation and the stop rules."""
+    d = TrainConfig.__dataclass_fields__
     parser.add_argument(
         "--heldout-records",
         type=int,
@@ -931,6 +977,10 @@ def add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop and save once the held-out slot-1 acceptance reaches this",
     )
+
+
+def _add_start_args(parser: argparse.ArgumentParser) -> None:
+    """The labels and the starting point of a fresh run."""
     parser.add_argument(
         "--teacher-labels",
         action="store_true",

@@ -55,6 +55,17 @@ def host_lengths(batch: Any) -> tuple[torch.Tensor, bool]:
 _ALL_TRUE: dict[str, torch.Tensor] = {}
 
 
+def _verify_mask(layout: VerifyLayout, prefix_lens: torch.Tensor, size: int) -> torch.Tensor:
+    """The verify's ``FULL_MASK`` of ``size`` entries (window x host lengths): each slot sees
+    its prefix and its tree ancestors; a plain step's root its prefix and itself."""
+    window = layout.tokens.shape[1]
+    if window == 1:
+        return _all_true(size, prefix_lens.device)
+    mask = torch.empty(size, dtype=torch.bool, device=prefix_lens.device)
+    write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+    return mask
+
+
 def _all_true(n: int, device: torch.device) -> torch.Tensor:
     """``[n]`` bool all True: a view of one buffer per device, grown as needed (a plain
     verify's mask; masks are read, never written), so a plain step fills none."""
@@ -181,11 +192,21 @@ class SGLangBackend:
         ``[bs, W, V]`` logits after SGLang's verify logit adjustments. A plain step's forward
         ``i`` (``i`` earlier forwards of this step, one token each) runs at ``prefix_lens`` =
         the batch's lengths + ``i``."""
-        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-        from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
-
-        batch, worker = self.batch, self.worker
         bs, window = layout.tokens.shape
+        forward_batch = self._verify_forward_batch(layout, prefix_lens)
+        self._target_forward(forward_batch)
+        logits = self.logits_output.next_token_logits  # [bs * W, V]
+        self._adjust_verify_logits(logits, layout, prefix_lens)
+        return logits.view(bs, window, -1)
+
+    def _verify_forward_batch(self, layout: VerifyLayout, prefix_lens: torch.Tensor) -> Any:
+        """SGLang's ``ForwardBatch`` of the verify: the window's slots and KV locations, the
+        tree mask, and the host lengths it is planned from (the batch's own lengths are put
+        back once it is built)."""
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        batch = self.batch
+        window = layout.tokens.shape[1]
         earlier, self._verified = self._verified, self._verified + 1
         window_pos = prefix_lens[:, None]  # [bs, W] KV positions of the window's slots
         if window > 1:
@@ -196,12 +217,7 @@ class SGLangBackend:
         else:  # the reservation covers the window (see host_lengths)
             host_lens = self.host_prefix_lens
         host_sum = int(host_lens.sum())
-        mask_size = window * host_sum  # FULL_MASK entries
-        if window == 1:  # a plain step: the root sees its prefix and itself
-            mask = _all_true(mask_size, prefix_lens.device)
-        else:
-            mask = torch.empty(mask_size, dtype=torch.bool, device=prefix_lens.device)
-            write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+        mask = _verify_mask(layout, prefix_lens, window * host_sum)  # FULL_MASK entries
         verify_input = DFlashVerifyInput(
             draft_token=layout.tokens.reshape(-1),
             positions=layout.positions.reshape(-1),
@@ -220,12 +236,18 @@ class SGLangBackend:
         # The verify's host lengths, always given: the graph runner pads and plans from them
         # (a ``None`` here sent every GPU verify to the eager path).
         batch.seq_lens_cpu, batch.seq_lens_sum = host_lens, host_sum
-        forward_batch, _ = verify_input.prepare_for_verify(batch, worker.target_worker)
+        forward_batch, _ = verify_input.prepare_for_verify(batch, self.worker.target_worker)
         batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = (
             seq_lens,
             seq_lens_cpu,
             seq_lens_sum,
         )
+        return forward_batch
+
+    def _target_forward(self, forward_batch: Any) -> None:
+        """The verify forward: replayed from the worker's verify graphs where they take it,
+        else SGLang's target forward; sets ``logits_output`` and ``can_run_cuda_graph``."""
+        worker = self.worker
         graphs = worker.verify_graphs  # CPU closure replay (tests); on CUDA SGLang's runner
         if graphs is not None and graphs.can_run_graph(forward_batch):
             self.logits_output, self.can_run_cuda_graph = self._replay(graphs, forward_batch), True
@@ -240,7 +262,16 @@ class SGLangBackend:
                 out.logits_output,
                 bool(out.can_run_cuda_graph),
             )
-        logits = self.logits_output.next_token_logits  # [bs * W, V]
+
+    def _adjust_verify_logits(
+        self, logits: torch.Tensor, layout: VerifyLayout, prefix_lens: torch.Tensor
+    ) -> None:
+        """In place on the verify's ``logits [bs * W, V]``: penalties and grammar masks, each
+        slot by its own path, around SGLang's verify logit adjustments (its order)."""
+        from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+        batch = self.batch
+        bs, window = layout.tokens.shape
         state = None if self.penalties is None else self.penalties(logits.shape[-1], logits.device)
         if state is not None:  # each slot by its own path, before the bias (SGLang's order)
             penalize_tree_logits(
@@ -249,7 +280,7 @@ class SGLangBackend:
                 layout.ancestor_mask,
                 layout.positions - prefix_lens[:, None],
                 state,
-                int(worker.block_size) - 1,
+                int(self.worker.block_size) - 1,
             )
         if self.constrained:  # the root's one-token mask would mask every slot alike
             batch.sampling_info.grammar_mask = None
@@ -268,7 +299,6 @@ class SGLangBackend:
                 layout.positions - prefix_lens[:, None],
                 int(batch.sampling_info.vocab_size),
             )
-        return logits.view(bs, window, -1)
 
     def _replay(self, graphs: Any, forward_batch: Any) -> Any:
         """The verify forward replayed by the worker's own graph runner (what SGLang's model

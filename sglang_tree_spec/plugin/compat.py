@@ -27,6 +27,8 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
+
 logger = logging.getLogger(__name__)
 
 RELEASES = ("0.5.17", "0.5.23")
@@ -237,8 +239,6 @@ def release() -> str:
 def declared_targets(table: str) -> tuple[str, ...]:
     """Every dotted SGLang name the plugin needs under release ``table``: hook targets,
     internals, moved names."""
-    from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
-
     hooks = tuple(hook.target for hook in HOOKS_BY_RELEASE[table])
     moved = tuple(paths[table] for paths in MOVED.values() if table in paths)
     return hooks + INTERNALS[table] + moved

@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_tree_spec.plugin.compat import UnsupportedSGLang, check_release
+from sglang_tree_spec.plugin.hook import Hook
+from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
+
 _registered = False
 
 
@@ -17,8 +21,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sglang_tree_spec.plugin.compat import UnsupportedSGLang, check_release
-
     try:
         check_release()
     except UnsupportedSGLang as error:
@@ -27,12 +29,29 @@ def register() -> None:
         return
     from sglang_tree_spec.plugin import accounting
     from sglang_tree_spec.plugin.algorithm import register_algorithm
-    from sglang_tree_spec.plugin.hooks import register_hooks
 
     register_algorithm()
     register_hooks()
     accounting.register()  # diagnostics, only with SGLANG_TREE_SPEC_ACCOUNTING set
     _registered = True
+
+
+def installed_hooks() -> tuple[Hook, ...]:
+    """The hook table for the installed SGLang (``compat.check_release``)."""
+    return HOOKS_BY_RELEASE[check_release()]
+
+
+def register_hooks() -> None:
+    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran.
+
+    Under Triton's interpreter the hooks it needs on Triton itself come too
+    (:mod:`.interpreter`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_tree_spec.plugin.interpreter import needed_hooks
+
+    for hook in installed_hooks() + needed_hooks():
+        HookRegistry.register(hook.target, hook.make(), HookType[hook.kind])
 
 
 def _refuse_ddtree(error: Exception) -> None:

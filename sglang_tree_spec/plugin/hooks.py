@@ -2,26 +2,18 @@
 
 One hook per reason; each is mirrored by an upstream-ready diff in ``patches/sglang-<ver>/``
 (tests dry-run every diff against the installed SGLang and check every target exists).
+The table of each tested release is here; :func:`.entry.register_hooks` registers the installed
+release's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from sglang_tree_spec.plugin.hook import Hook
+
 SGLANG_VERSION = "0.5.17"  # the release of HOOKS; HOOKS_BY_RELEASE holds every tested release
-
-
-@dataclass(frozen=True)
-class Hook:
-    """One ``HookRegistry`` registration and the diff that makes it unnecessary upstream."""
-
-    target: str  # dotted path in SGLang
-    kind: str  # HookType member name: BEFORE / AFTER / AROUND / REPLACE
-    make: Callable[[], Any]  # returns the hook callable or class (imported lazily)
-    patch: str  # file name under patches/sglang-<SGLANG_VERSION>/
-    reason: str
 
 
 def _ddtree_server_args() -> type:
@@ -341,23 +333,3 @@ HOOKS_0_5_23: tuple[Hook, ...] = (
 
 HOOKS_BY_RELEASE: dict[str, tuple[Hook, ...]] = {"0.5.17": HOOKS, "0.5.23": HOOKS_0_5_23}
 """The hook table of every tested release (``compat.RELEASES``)."""
-
-
-def installed_hooks() -> tuple[Hook, ...]:
-    """The hook table for the installed SGLang (``compat.check_release``)."""
-    from sglang_tree_spec.plugin.compat import check_release
-
-    return HOOKS_BY_RELEASE[check_release()]
-
-
-def register_hooks() -> None:
-    """Register every hook; SGLang's ``load_plugins()`` applies them after all plugins ran.
-
-    Under Triton's interpreter the hooks it needs on Triton itself come too
-    (:mod:`.interpreter`)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_tree_spec.plugin.interpreter import needed_hooks
-
-    for hook in installed_hooks() + needed_hooks():
-        HookRegistry.register(hook.target, hook.make(), HookType[hook.kind])

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_tree_spec.plugin.cpu import triton_interpreted
-from sglang_tree_spec.plugin.hooks import Hook
+from sglang_tree_spec.plugin.hook import Hook
 
 TRITON_VERSION = "3.6.0"  # torch 2.11.0's Triton, the one SGLang 0.5.17 runs with
 NUMPY_WITHOUT_SIZE_ONE_INT = (2, 3)  # numpy releases from here refuse int() of a 1-element array

@@ -3,7 +3,9 @@
 SGLang derives its CLI, its ``sglang.Engine(**kwargs)`` keywords and its per-process config
 bags (``get_spec()``) from the ``ServerArgs`` dataclass fields. A REPLACE hook on the class
 (:mod:`.hooks`) swaps in this subclass, so a DDTREE flag is parsed, documented in ``--help``,
-accepted by ``sglang.Engine`` and pickled to every process like a built-in one. Mirrored by
+accepted by ``sglang.Engine`` and pickled to every process like a built-in one. The fields are
+declared once (:data:`DDTREE_FIELDS`); each release builds its class from them (0.5.17 a
+dataclass, 0.5.23 a msgspec Struct). Mirrored by
 ``patches/sglang-0.5.17/0001-server-args-ddtree-flags.diff``.
 """
 
@@ -72,27 +74,48 @@ CANDIDATES_HELP = (
 )
 
 
+# The DDTREE fields as (name, annotation, default), declared once for every release's class:
+# all optional, ignored by other algorithms; SGLang reads Arg / NS as for its own fields.
+DDTREE_FIELDS: tuple[tuple[str, Any, Any], ...] = (
+    ("speculative_ddtree_topk", A[int | None, Arg(help=TOPK_HELP), NS("spec")], None),
+    (
+        "speculative_ddtree_graft",
+        A[str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")],
+        "none",
+    ),
+    (
+        "speculative_ddtree_table",
+        A[str, Arg(help=TABLE_HELP, choices=list(TABLE_CHOICES)), NS("spec")],
+        "shared",
+    ),
+    (
+        "speculative_ddtree_table_partitions",
+        A[int | None, Arg(help=TABLE_PARTITIONS_HELP), NS("spec")],
+        None,
+    ),
+    ("speculative_ddtree_budget", A[str, Arg(help=BUDGET_HELP), NS("spec")], "auto"),
+    ("speculative_ddtree_candidates", A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")], None),
+)
+
+
+def _declare_ddtree_fields(cls: type) -> type:
+    """Give ``cls`` the :data:`DDTREE_FIELDS` as class-body annotations and defaults, for the
+    dataclass decorator applied next."""
+    cls.__annotations__ = {name: annotation for name, annotation, _ in DDTREE_FIELDS}
+    for name, _, default in DDTREE_FIELDS:
+        setattr(cls, name, default)
+    return cls
+
+
 _SGLangServerArgs: Any = sglang_server_args.ServerArgs
 
 if dataclasses.is_dataclass(_SGLangServerArgs):  # SGLang 0.5.17
 
     @dataclasses.dataclass
+    @_declare_ddtree_fields
     class DDTreeServerArgs(_SGLangServerArgs):
         """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other
         algorithms)."""
-
-        speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
-        speculative_ddtree_graft: A[
-            str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
-        ] = "none"
-        speculative_ddtree_table: A[
-            str, Arg(help=TABLE_HELP, choices=list(TABLE_CHOICES)), NS("spec")
-        ] = "shared"
-        speculative_ddtree_table_partitions: A[
-            int | None, Arg(help=TABLE_PARTITIONS_HELP), NS("spec")
-        ] = None
-        speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
-        speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
 
         @property
         def max_speculative_num_draft_tokens(self) -> int | None:
@@ -121,23 +144,18 @@ if dataclasses.is_dataclass(_SGLangServerArgs):  # SGLang 0.5.17
             return default_attention_backend(self.speculative_algorithm, self.device, chosen)
 
 else:  # SGLang 0.5.23: a msgspec Struct assembled from per-namespace field classes
+    import msgspec
 
-    class DDTreeServerArgs(_SGLangServerArgs, dict=True):  # type: ignore[no-redef]
-        """SGLang's ServerArgs with the DDTREE fields (all optional, ignored by other
-        algorithms); ``dict=True`` as SGLang's own (it keeps resolution bookkeeping)."""
-
-        speculative_ddtree_topk: A[int | None, Arg(help=TOPK_HELP), NS("spec")] = None
-        speculative_ddtree_graft: A[
-            str, Arg(help=GRAFT_HELP, choices=list(GRAFT_CHOICES)), NS("spec")
-        ] = "none"
-        speculative_ddtree_table: A[
-            str, Arg(help=TABLE_HELP, choices=list(TABLE_CHOICES)), NS("spec")
-        ] = "shared"
-        speculative_ddtree_table_partitions: A[
-            int | None, Arg(help=TABLE_PARTITIONS_HELP), NS("spec")
-        ] = None
-        speculative_ddtree_budget: A[str, Arg(help=BUDGET_HELP), NS("spec")] = "auto"
-        speculative_ddtree_candidates: A[str | None, Arg(help=CANDIDATES_HELP), NS("spec")] = None
+    # As SGLang builds its own ServerArgs; dict=True as SGLang's (it keeps resolution
+    # bookkeeping outside the fields).
+    DDTreeServerArgs = msgspec.defstruct(
+        "DDTreeServerArgs",
+        DDTREE_FIELDS,
+        bases=(_SGLangServerArgs,),
+        module=__name__,
+        namespace={"__doc__": "SGLang's ServerArgs with the DDTREE fields (all optional)."},
+        dict=True,
+    )
 
 
 def req_to_token_headroom(original: Callable[..., int], *server_args: Any) -> int:
