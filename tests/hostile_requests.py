@@ -88,44 +88,6 @@ def hostile_requests(vocab_size: int) -> list[Hostile]:
     ]
 
 
-def constrained_requests() -> list[Hostile]:
-    """Grammar-constrained requests, refused by a DDTREE server on SGLang 0.5.17 on a CPU
-    (its xgrammar backend needs a GPU: before the refusal one such request killed the
-    scheduler); none on 0.5.23, which serves them (tests/test_sglang_ddtree_grammar.py)."""
-    from sglang_tree_spec.plugin import compat
-
-    if not compat.is_release("0.5.17"):
-        return []
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    refused = "does not support constrained decoding"
-    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-    return [
-        Hostile(
-            "json_schema",
-            "/generate",
-            {"input_ids": [5, 6], "sampling_params": {**GREEDY, "json_schema": json.dumps(schema)}},
-            f"{refused} (json_schema)",
-        ),
-        Hostile(
-            "regex",
-            "/generate",
-            {"input_ids": [5, 6], "sampling_params": {**GREEDY, "regex": "[ab]+"}},
-            f"{refused} (regex)",
-        ),
-        Hostile(
-            "response_format",
-            "/v1/chat/completions",
-            {
-                "model": "default",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 4,
-                "response_format": response_format,
-            },
-            refused,
-        ),
-    ]
-
-
 def refusal(base_url: str, request: Hostile, timeout: float = 120.0) -> tuple[int, str]:
     """POST ``request``; its HTTP error status and reply (a success fails the test)."""
     data = request.body if isinstance(request.body, bytes) else json.dumps(request.body).encode()

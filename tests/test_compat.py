@@ -16,7 +16,6 @@ import pytest
 
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.hooks import HOOKS_BY_RELEASE
-from sglang_tree_spec.plugin.validation import GRAMMAR_FIELDS
 from sglang_tree_spec.plugin.worker import PIN_PARAM
 
 INSTALLED = compat.check_release()
@@ -189,8 +188,8 @@ def test_a_real_req_has_the_attributes_the_worker_reads():
     req = Req("rid-1", "", [1, 2, 3], SamplingParams(), extra_key="tenant-a", **salted)
     for name in (*compat.REQ_ATTRIBUTES, *compat.ISOLATION_KEY[INSTALLED]):
         assert hasattr(req, name), name
-    for name in (*GRAMMAR_FIELDS, *compat.SAMPLING_PARAMS_ATTRIBUTES):
-        assert hasattr(req.sampling_params, name), name  # the grammar refusal, the budget pin
+    for name in compat.SAMPLING_PARAMS_ATTRIBUTES:
+        assert hasattr(req.sampling_params, name), name  # the budget pin
     pinned = SamplingParams(custom_params={PIN_PARAM: 8})  # what a pinned request sends
     assert pinned.custom_params == {PIN_PARAM: 8}
     assert compat.isolation_key(req) == ("tenant-a", *salted.values())

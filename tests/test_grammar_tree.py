@@ -185,19 +185,37 @@ def test_masked_logits_equal_xgrammars_kernel(backend):
     assert bool(torch.isinf(logits[0]).any()) and not bool(torch.isinf(logits[1]).any())
 
 
-def test_constrained_requests_are_refused_only_where_sglang_cannot_serve_them():
-    """0.5.17's xgrammar backend needs a GPU: refused on a CPU there, served elsewhere."""
-    from types import SimpleNamespace
+def refuse(*args, **kwargs):
+    raise AssertionError("the original (GPU) path must not run on a CPU")
 
-    from sglang_tree_spec.plugin import compat
-    from sglang_tree_spec.plugin.validation import constrained_decoding_error
 
-    fields = dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"))
-    schema = SimpleNamespace(**{**fields, "json_schema": "{}"})
-    on_cpu = constrained_decoding_error(schema, "cpu")
-    if compat.is_release("0.5.17"):
-        assert on_cpu.startswith("DDTREE ") and "(json_schema)" in on_cpu
-    else:
-        assert on_cpu is None
-    assert constrained_decoding_error(schema, "cuda") is None
-    assert constrained_decoding_error(SimpleNamespace(**fields), "cpu") is None
+def test_cpu_bitmask_is_allocated_unpinned_all_allowed(backend):
+    """The 0.5.17 allocation hook on a CPU: xgrammar's layout, every token allowed, host
+    memory that needs no CUDA driver (the original pins it)."""
+    from sglang_tree_spec.plugin.cpu import xgrammar_bitmask_on_cpu
+
+    _, vocab = backend
+    mask = xgrammar_bitmask_on_cpu(refuse, vocab, 3)
+    assert mask.shape == (3, bitmask_words(vocab)) and mask.dtype == torch.int32
+    assert mask.device.type == "cpu" and not mask.is_pinned()
+    assert bool((mask == -1).all())
+
+
+def test_cpu_logits_are_masked_by_xgrammars_cpu_kernel(backend):
+    """The 0.5.17 apply hook on a real grammar's filled bitmask and CPU logits: the forbidden
+    tokens of each row to -inf, the rest unchanged (the plugin's own masking as the oracle),
+    without the original's GPU kernels."""
+    from sglang_tree_spec.plugin.cpu import xgrammar_bitmask_on_cpu, xgrammar_mask_applied_on_cpu
+
+    _, vocab = backend
+    grammar = make_grammar(backend, "regex")
+    mask = xgrammar_bitmask_on_cpu(refuse, vocab, 2)
+    grammar.fill_vocab_mask(mask, 1)  # row 0 stays all-allowed
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    expected = logits.clone()
+    apply_token_bitmask(expected, mask)
+    xgrammar_mask_applied_on_cpu(refuse, grammar, logits=logits, vocab_mask=mask)
+    assert torch.equal(logits, expected)
+    assert not bool(torch.isinf(logits[0]).any())
+    allowed = allowed_tokens(mask[1], vocab)
+    assert 0 < len(allowed) < vocab and bool(torch.isinf(logits[1]).sum() == vocab - len(allowed))

@@ -6,16 +6,19 @@ plain steps run one forward each) on the small fp32 pair of ``test_sglang_ddtree
 same greedy requests: a JSON schema, a regex, an EBNF grammar and a structural tag on
 ``/generate``, and an OpenAI ``response_format`` JSON schema on ``/v1/chat/completions``; one at
 a time, then all at once with an unconstrained request in the same batch. Outputs equal token for
-token, and the trees accepted more than one token per verify. An invalid regex or schema gets
-SGLang's own error and the server keeps serving.
+token, and the trees accepted more than one token per verify. A JSON-schema request with
+``return_logprob`` gets the no-speculation log-probs. An invalid regex or schema gets SGLang's
+own error and the server keeps serving.
 
-SGLang 0.5.23 only: 0.5.17's xgrammar backend cannot run on a CPU (``plugin/validation.py``,
-``constrained_decoding_error``). About 5 minutes on 2 quiet cores (12 on 2 busy ones).
+Both releases; on 0.5.17 the plain server serves grammars on a CPU through the plugin's xgrammar
+hooks (``plugin/cpu.py``, diffs 0024 and 0025). About 5 minutes on 2 quiet cores (12 on 2 busy
+ones).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,18 +27,15 @@ import test_sglang_ddtree
 from hostile_requests import Hostile, refusal
 from test_sglang_ddtree import running_server, server_command
 
-from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.validation import CPU_OVERLAP_ENV
 from sglang_tree_spec.server_process import free_port, http_json
 
 pair = test_sglang_ddtree.pair  # the module fixtures: the small fp32 pair, held-out prompts
 prompts = test_sglang_ddtree.prompts
 
-pytestmark = pytest.mark.skipif(
-    not compat.is_release("0.5.23"), reason="0.5.17's xgrammar backend needs a GPU"
-)
-
 NEW_TOKENS = 20
+LOGPROB_TOLERANCE = 1e-4  # float32 logits: a tree verify and a one-token decode differ in ulps
+TOP_LOGPROBS = 2
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
@@ -55,10 +55,20 @@ CHAT = [{"role": "user", "content": "def parse_header(line):\n    name, _, value
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
 
 
-def generate(base_url: str, prompt: list[int], constraint: dict) -> dict:
+def generate(base_url: str, prompt: list[int], constraint: dict, **request: object) -> dict:
     params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, **constraint}
-    return http_json(
-        f"{base_url}/generate", {"input_ids": prompt, "sampling_params": params}, timeout=300
+    body = {"input_ids": prompt, "sampling_params": params, **request}
+    return http_json(f"{base_url}/generate", body, timeout=300)
+
+
+def logprobs(base_url: str, prompts: list[list[int]]) -> dict:
+    """The JSON-schema request with ``return_logprob`` and ``top_logprobs_num``."""
+    return generate(
+        base_url,
+        prompts[0],
+        CONSTRAINTS["json_schema"],
+        return_logprob=True,
+        top_logprobs_num=TOP_LOGPROBS,
     )
 
 
@@ -114,6 +124,7 @@ def served(pair, prompts, tmp_path_factory) -> Iterator[dict]:
     plain = [*server_command(pair, free_port(), None), "--disable-overlap-schedule"]
     for server in running_server(plain, root / "plain.log"):
         replies["plain"] = ask(server.base_url, prompts)
+        replies["plain/logprobs"] = logprobs(server.base_url, prompts)
     for name, (budget, mode, overlap) in SERVERS.items():
         with pytest.MonkeyPatch.context() as env:
             if overlap:
@@ -121,6 +132,7 @@ def served(pair, prompts, tmp_path_factory) -> Iterator[dict]:
             command = server_command(pair, free_port(), budget, mode)
             for server in running_server(command, root / f"{name}.log"):
                 replies[name] = ask(server.base_url, prompts)
+                replies[f"{name}/logprobs"] = logprobs(server.base_url, prompts)
                 invalid_grammars_are_refused(server, prompts, replies["plain"])
                 replies[f"{name}/log"] = server.log.read_text()
     yield replies
@@ -162,6 +174,35 @@ def invalid_grammars_are_refused(server, prompts, plain: dict) -> None:
 def test_constrained_greedy_equals_no_speculation(served, name, when):
     assert outputs(served[name][when]) == outputs(served["plain"]["alone"])
     assert outputs(served["plain"][when]) == outputs(served["plain"]["alone"])
+
+
+def assert_close_logprobs(plain: list, ddtree: list) -> None:
+    """``[[logprob, token id, text], ...]`` lists: same ids, log-probs within tolerance (a
+    token the grammar forbids: -inf, or None where the reply's JSON cannot hold it, in both)."""
+    assert [entry[1] for entry in ddtree] == [entry[1] for entry in plain]
+    for (want, _, _), (got, _, _) in zip(plain, ddtree, strict=True):
+        if want is None or got is None or math.isinf(want):
+            assert got == want
+        else:
+            assert math.isclose(got, want, rel_tol=0, abs_tol=LOGPROB_TOLERANCE), (got, want)
+
+
+@pytest.mark.parametrize("name", sorted(SERVERS))
+def test_constrained_logprobs_equal_no_speculation(served, name):
+    """``return_logprob`` on a JSON-schema request: the same tokens, and every committed
+    token's log-prob and top log-probs (of the grammar-masked distribution, as SGLang's own
+    decoding reports them) within tolerance of the no-speculation server's."""
+    plain, ddtree = served["plain/logprobs"], served[f"{name}/logprobs"]
+    expected = served["plain"]["alone"]["json_schema"]["output_ids"]
+    assert ddtree["output_ids"] == plain["output_ids"] == expected
+    want, got = plain["meta_info"], ddtree["meta_info"]
+    assert len(got["output_token_logprobs"]) == len(ddtree["output_ids"])
+    assert_close_logprobs(want["output_token_logprobs"], got["output_token_logprobs"])
+    assert len(got["output_top_logprobs"]) == len(want["output_top_logprobs"])
+    for plain_top, ddtree_top in zip(
+        want["output_top_logprobs"], got["output_top_logprobs"], strict=True
+    ):
+        assert_close_logprobs(plain_top, ddtree_top)
 
 
 def test_constraints_shape_the_output(served):

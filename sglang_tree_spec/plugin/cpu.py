@@ -398,3 +398,41 @@ def no_stream_record_on_cpu() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.record_stream = record_stream
+
+
+def xgrammar_bitmask_on_cpu(original: Any, vocab_size: int, batch_size: int) -> torch.Tensor:
+    """AROUND hook on ``constrained.xgrammar_backend._allocate_token_bitmask`` (SGLang 0.5.17):
+    an unpinned bitmask on CPU.
+
+    0.5.17 always allocates the ``[batch_size, ceil(vocab_size / 32)]`` int32 grammar bitmask in
+    pinned memory (for a non-blocking copy to the GPU), which needs a CUDA driver: without one
+    the first grammar-constrained request kills a CPU server, with or without speculation ("Found
+    no NVIDIA driver"). On a CPU device the mask never leaves host memory, so it is allocated
+    unpinned (0.5.23 pins only where pinning exists). Mirrored by
+    ``patches/sglang-0.5.17/0024-xgrammar-bitmask-unpinned-on-cpu.diff``.
+    """
+    if serving_device() != "cpu":
+        return original(vocab_size, batch_size)
+    from xgrammar import bitmask_dtype, get_bitmask_shape
+
+    return torch.full(get_bitmask_shape(batch_size, vocab_size), -1, dtype=bitmask_dtype)
+
+
+def xgrammar_mask_applied_on_cpu(
+    original: Any, grammar: Any, logits: torch.Tensor, vocab_mask: torch.Tensor
+) -> None:
+    """AROUND hook on ``constrained.xgrammar_backend.XGrammarGrammar.apply_vocab_mask``
+    (SGLang 0.5.17): xgrammar's CPU kernel for CPU logits.
+
+    0.5.17 masks ``logits [bs, V]`` by the bitmask ``[bs, ceil(V / 32)]`` with a Triton (or
+    HIP) kernel and raises "Unsupported device: cpu" for CPU logits, so a CPU server cannot
+    sample a grammar-constrained request. CPU logits go through xgrammar's own CPU kernel (what
+    0.5.23 does); other devices are unchanged. Mirrored by
+    ``patches/sglang-0.5.17/0025-xgrammar-bitmask-applied-on-cpu.diff``.
+    """
+    if logits.device.type != "cpu":
+        return original(grammar, logits=logits, vocab_mask=vocab_mask)
+    from xgrammar import apply_token_bitmask_inplace
+
+    apply_token_bitmask_inplace(logits, vocab_mask, backend="cpu")
+    return None

@@ -118,6 +118,18 @@ def _ddtree_default_attention_backend() -> Callable[..., str]:
     return around_default_attention_backend
 
 
+def _xgrammar_bitmask_on_cpu() -> Callable[..., Any]:
+    from sglang_tree_spec.plugin.cpu import xgrammar_bitmask_on_cpu
+
+    return xgrammar_bitmask_on_cpu
+
+
+def _xgrammar_mask_applied_on_cpu() -> Callable[..., None]:
+    from sglang_tree_spec.plugin.cpu import xgrammar_mask_applied_on_cpu
+
+    return xgrammar_mask_applied_on_cpu
+
+
 def _no_pynccl_for_gloo_groups() -> Callable[..., Any]:
     from sglang_tree_spec.plugin.cpu import no_pynccl_for_gloo_groups
 
@@ -266,6 +278,27 @@ HOOKS += (
         reason="under overlap scheduling the speculative relay records its request indices on "
         "the current stream, which a CPU tensor refuses: the first speculative decode step "
         "kills a CPU server",
+    ),
+)
+
+# 0.5.17 only (0.5.23 pins the bitmask only where pinning exists and masks CPU logits with
+# xgrammar's CPU kernel itself): grammar-constrained requests on a CPU server, any algorithm.
+HOOKS += (
+    Hook(
+        target="sglang.srt.constrained.xgrammar_backend._allocate_token_bitmask",
+        kind="AROUND",
+        make=_xgrammar_bitmask_on_cpu,
+        patch="0024-xgrammar-bitmask-unpinned-on-cpu.diff",
+        reason="the grammar bitmask is always allocated in pinned memory, which needs a CUDA "
+        "driver: the first grammar-constrained request kills a CPU server",
+    ),
+    Hook(
+        target="sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.apply_vocab_mask",
+        kind="AROUND",
+        make=_xgrammar_mask_applied_on_cpu,
+        patch="0025-xgrammar-bitmask-applied-on-cpu.diff",
+        reason="the grammar bitmask is applied with a GPU kernel only (CPU logits raise "
+        "'Unsupported device'); CPU logits go through xgrammar's CPU kernel",
     ),
 )
 

@@ -371,36 +371,17 @@ def refuse_inexact_requests(original: Any, req: Any, enable_overlap: bool) -> st
     0.5.17's DFLASH), penalties, ``min_new_tokens`` and grammars are served exactly: the worker
     reads the committed tokens' log-probs from the verify logits, penalises every tree node by
     its own path (:mod:`sglang_tree_spec.plugin.penalties`) and masks it by the grammar state
-    of its own path (:mod:`sglang_tree_spec.plugin.grammar`). Grammar-constrained requests are
-    refused only where SGLang itself cannot serve them (:func:`constrained_decoding_error`).
-    Mirrored by ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
+    of its own path (:mod:`sglang_tree_spec.plugin.grammar`; on a CPU with SGLang 0.5.17,
+    through the xgrammar hooks of :mod:`sglang_tree_spec.plugin.cpu`). Mirrored by
+    ``patches/sglang-<release>/0013-dflash-refuses-penalties.diff``."""
     from sglang.srt.runtime_context import get_server_args
 
     error = original(req, enable_overlap)
-    server_args = get_server_args()
-    if server_args.speculative_algorithm != ALGORITHM:
+    if get_server_args().speculative_algorithm != ALGORITHM:
         return error
     if error is not None and not (req.return_logprob and "return_logprob" in error):
         return error.replace("DFLASH", ALGORITHM)
-    return constrained_decoding_error(req.sampling_params, str(server_args.device))
-
-
-# SamplingParams fields that make SGLang build a grammar for the request.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
-
-
-def constrained_decoding_error(sampling_params: Any, device: str) -> str | None:
-    """The refusal of a grammar-constrained request (a JSON schema, an OpenAI
-    ``response_format``, a regex, EBNF or a structural tag) on SGLang 0.5.17 on a CPU, whose
-    xgrammar backend allocates its token bitmask in pinned (CUDA) memory and applies it with
-    GPU kernels only: there one such request takes the server down."""
-    used = [name for name in GRAMMAR_FIELDS if getattr(sampling_params, name, None)]
-    if not used or not (compat.is_release("0.5.17") and device == "cpu"):
-        return None
-    return (
-        f"{ALGORITHM} speculative decoding does not support constrained decoding "
-        f"({', '.join(used)}) on a CPU with SGLang 0.5.17."
-    )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
