@@ -692,6 +692,42 @@ def test_auto_at_tp2_chooses_one_budget_on_every_rank(
     assert len(set(budgets[0])) > 1
 
 
+@pytest.mark.one_release
+def test_ddtree_at_dp2_equals_no_speculation_on_both_replicas(
+    pair, prompts, baseline, tmp_path_factory, monkeypatch
+):
+    """``--dp-size 2`` through SGLang's data-parallel controller: two scheduler processes, each
+    with its own DDTREE worker (its own successor table and budget controller). 8 requests at
+    once (round robin: 4 a replica) equal no speculation, and both replicas' workers drafted:
+    one step log a worker process, each with verify steps committing over 1.5 tokens a
+    request, and each replica's log names its worker."""
+    steps = tmp_path_factory.mktemp("dp2-steps")
+    monkeypatch.setenv(LOG_ENV_FLAG, str(steps))
+    # SGLang's CPU core binding: 0.5.17 wants one entry a TP rank of a replica (unset: one
+    # NUMA node), 0.5.23 one entry a rank of all replicas (unset: one NUMA node a rank)
+    if compat.is_release("0.5.17"):
+        monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    log = tmp_path_factory.mktemp("ddtree-dp2") / "server.log"
+    command = [
+        *server_command(pair, free_port(), 8), "--speculative-ddtree-graft", "unified",
+        "--dp-size", "2",
+    ]  # fmt: skip
+    for server in running_server(command, log):
+        outputs = server.greedy(prompts[:8], 8)
+    assert outputs == baseline["concurrent"][:8]
+    logs = sorted(steps.glob("steps_8_*.csv"))
+    assert len(logs) == 2  # one a replica's worker process
+    for path in logs:
+        drafted = [row for row in csv.DictReader(path.open()) if row["drafted"] == "1"]
+        assert drafted, path.name
+        assert sum(int(r["tokens"]) for r in drafted) > 1.5 * sum(int(r["bs"]) for r in drafted)
+    text = log.read_text()
+    for replica in ("DP0", "DP1"):
+        assert re.search(rf"{replica}\] DDTREE worker: ddtree-graft-unified, budget 8, ", text)
+
+
 def test_engine_in_process_serves_ddtree(pair, prompts, baseline):
     """``sglang.Engine`` (the plugin loads through the entry point in every process), at a
     budget whose verify window is shorter than the drafter's block."""
