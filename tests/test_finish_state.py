@@ -9,6 +9,7 @@ installed SGLang, with a real tokenizer, is fed the same tokens one at a time an
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -20,6 +21,12 @@ from sglang_tree_spec.models.small_pair import SMALL_PAIR_DIR
 from sglang_tree_spec.plugin.finish import update_finish_state_token_by_token
 
 EOS = 0
+
+
+def sglang_check(req: Req, length: int) -> None:
+    """SGLang's own ``Req.update_finish_state``, unwrapped: a test in the same process may
+    have registered the plugin's hooks, which wrap it (SGLang keeps ``__wrapped__``)."""
+    inspect.unwrap(Req.update_finish_state)(req, length)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +63,11 @@ def decode(tokenizer, params: dict, tokens: list[int], runs: list[int], check) -
 
 
 def one_at_a_time(tokenizer, params, tokens):
-    return decode(tokenizer, params, tokens, [1] * len(tokens), Req.update_finish_state)
+    return decode(tokenizer, params, tokens, [1] * len(tokens), sglang_check)
 
 
 def hooked(req, length):
-    update_finish_state_token_by_token(Req.update_finish_state, req, length)
+    update_finish_state_token_by_token(inspect.unwrap(Req.update_finish_state), req, length)
 
 
 def stop_string_tokens(tokenizer, text: str) -> list[int]:
@@ -84,7 +91,7 @@ def test_eos_before_a_stop_string_in_one_run_stops_at_the_eos(tokenizer):
     assert expected == ("FINISH_MATCHED_TOKEN", EOS, [40, EOS])
     assert decode(tokenizer, params, tokens, [1, len(tokens) - 1], hooked) == expected
     # SGLang's own whole-run check (both releases) ends at the stop string instead.
-    whole = decode(tokenizer, params, tokens, [1, len(tokens) - 1], Req.update_finish_state)
+    whole = decode(tokenizer, params, tokens, [1, len(tokens) - 1], sglang_check)
     assert whole != expected
 
 
@@ -108,7 +115,7 @@ def test_runs_of_random_lengths_finish_as_one_token_decoding(tokenizer):
             runs.append(min(rng.randint(1, 6), len(tokens) - sum(runs)))
         expected = one_at_a_time(tokenizer, params, tokens)
         assert decode(tokenizer, params, tokens, runs, hooked) == expected, (case, params, tokens)
-        differing += decode(tokenizer, params, tokens, runs, Req.update_finish_state) != expected
+        differing += decode(tokenizer, params, tokens, runs, sglang_check) != expected
     assert differing > 0  # the cases reach what SGLang's whole-run check gets wrong
 
 
