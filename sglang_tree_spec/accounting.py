@@ -256,6 +256,12 @@ class StepAccounting:
         finally:
             self._quiet -= 1
 
+    def launch(self, kernel: str) -> None:
+        """One launch of the package's own kernel (its torch stand-in's ops are not counted)."""
+        if self.current is not None and not self._quiet:
+            self.current.ops += 1
+            self.current.op_sites[f"kernel:{kernel}"] += 1
+
     def upload(self) -> None:
         """A host-to-device copy of host data."""
         if self.current is not None and not self._quiet:

@@ -136,7 +136,7 @@ class Sampling:
         tree's acceptance replayed from ``graphs`` when given."""
         if self.all_greedy:
             if graphs is not None and tree.budget > 0:
-                return graphs.greedy_accept(tree, logits.argmax(dim=-1))
+                return graphs.greedy_accept_logits(tree, logits)
             return greedy_accept(tree, logits.argmax(dim=-1))
         return sample_accept(
             tree,

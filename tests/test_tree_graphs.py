@@ -115,6 +115,66 @@ def test_shapes_captured_at_start_up_serve_every_padded_batch_size():
     assert graphs.captures == captured + 1
 
 
+def test_a_build_s_own_tree_is_accepted_where_the_build_wrote_it():
+    """The acceptance of a build's tree (start-up shapes) reads the build's static outputs and
+    the argmax is written into its static input: no copy a step; a tree that is not the
+    build's (auto's cut) is copied in and accepted as exactly."""
+    graphs = TreeGraphs("closure", batch_sizes=[1, 4])
+    graphs.capture_all((4, 8), depths=7, topk=8, device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    for bs, budget in ((3, 8), (4, 4), (1, 8)):
+        lp, tok = topk(bs, min(7, budget), min(8, budget), seed=bs + budget)
+        tree = graphs.build(lp, tok, budget)
+        logits = torch.randn(bs, budget + 1, 64, generator=gen)
+        logits[:, 0, tok[:, 0, 0]] += 100  # the first child matches
+        with _copies(graphs) as outside_replays:
+            got = graphs.greedy_accept_logits(tree, logits)
+        assert outside_replays.seen == [], outside_replays.seen
+        want = greedy_accept(build_ddtree(lp, tok, budget, validate=False), logits.argmax(-1))
+        assert_same_tree(got, want)
+    own = graphs.build(*topk(4, 7, 8, seed=1), 8)
+    kept = dataclasses.replace(own, **{f: getattr(own, f).clone() for f in ("tokens", "parents",
+                                "depths", "logprobs", "valid")})  # fmt: skip
+    other = build_ddtree(*topk(4, 7, 8, seed=2), 8, validate=False)  # same shape, not the build's
+    logits = torch.randn(4, 9, 64, generator=gen)
+    assert_same_tree(graphs.greedy_accept_logits(other, logits),
+                     greedy_accept(other, logits.argmax(-1)))  # fmt: skip
+    assert_same_tree(graphs.greedy_accept_logits(graphs.build(*topk(4, 7, 8, seed=1), 8), logits),
+                     greedy_accept(kept, logits.argmax(-1)))  # fmt: skip
+
+
+class _copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shapes of the ``copy_`` ops dispatched inside it outside ``graphs``'s
+    replays (a closure replay copies its fresh outputs into the static ones, as the graph
+    writes them)."""
+
+    def __init__(self, graphs: TreeGraphs) -> None:
+        super().__init__()
+        self.seen, self.replaying, self.graphs = [], False, graphs
+
+    def __enter__(self):
+        replay = self.graphs.replay_shape
+
+        def quiet(shape):
+            self.replaying = True
+            try:
+                replay(shape)
+            finally:
+                self.replaying = False
+
+        self.graphs.replay_shape = quiet
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del self.graphs.replay_shape
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith("copy_") and not self.replaying:
+            self.seen.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_tree_lives_until_the_next_build_of_its_shape():
     graphs = TreeGraphs("closure")
     first = graphs.build(*topk(2, 7, 8, seed=1), 16)

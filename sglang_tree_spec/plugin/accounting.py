@@ -45,13 +45,15 @@ TARGETS = (
     "sglang.srt.speculative.dflash_worker_v2.assign_extend_cache_locs_func",
 )
 # Code a GPU does not run, each call one kernel there: the plugin's CPU stand-ins for SGLang's
-# kernels, SGLang's native KV move (CUDA: a Triton kernel) and the non-CUDA branch of its
-# drafter context write (CUDA: a tiled Triton kernel), and this module's DFLASH slot gather.
+# kernels and for its own (each launch of its own counted as one op: ``_wrap_launches``),
+# SGLang's native KV move (CUDA: a Triton kernel) and the non-CUDA branch of its drafter
+# context write (CUDA: a tiled Triton kernel), and this module's DFLASH slot gather.
 CPU_ONLY_SITES = (
     ("sglang_tree_spec/plugin/cpu.py", None),
     ("sglang/srt/mem_cache/memory_pool.py", "move_kv_cache_native"),
     ("sglang/srt/mem_cache/memory_pool.py", "set_kv_buffer_prefix_valid"),
     ("sglang_tree_spec/plugin/accounting.py", "_extend_cache_locs_on_cpu"),
+    ("sglang_tree_spec/plugin/kernels.py", "_full_mask_stand_in"),
 )
 _accounting: StepAccounting | None = None
 
@@ -77,6 +79,7 @@ def register() -> None:
         HookRegistry.register(target, hook, HookType.AROUND)
     _wrap_own_replays(_accounting)
     _wrap_uploads(_accounting)
+    _wrap_launches(_accounting)
 
 
 def _algorithm(server_args: Any) -> str:
@@ -243,3 +246,10 @@ def _wrap_uploads(accounting: StepAccounting) -> None:
         accounting.mark_device(result)
 
     host_copy.OBSERVERS.append(uploaded)
+
+
+def _wrap_launches(accounting: StepAccounting) -> None:
+    """The plugin's own kernels (``plugin/kernels.py``): one op a launch."""
+    from sglang_tree_spec.plugin import kernels
+
+    kernels.LAUNCHES.append(accounting.launch)

@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
-from sglang_tree_spec.plugin import compat
+from sglang_tree_spec.plugin import compat, kernels
 from sglang_tree_spec.plugin.grammar import constrained, mask_verify_logits
 from sglang_tree_spec.tree import (
     VerifyLayout,
     topk_from_logits,
     vocab_parallel_topk,
-    write_full_mask,
 )
 from sglang_tree_spec.tree.penalties import TreePenalties, penalize_tree_logits
 
@@ -55,14 +54,18 @@ def host_lengths(batch: Any) -> tuple[torch.Tensor, bool]:
 _ALL_TRUE: dict[str, torch.Tensor] = {}
 
 
-def _verify_mask(layout: VerifyLayout, prefix_lens: torch.Tensor, size: int) -> torch.Tensor:
+def _verify_mask(
+    layout: VerifyLayout, prefix_lens: torch.Tensor, size: int, out: torch.Tensor | None
+) -> torch.Tensor:
     """The verify's ``FULL_MASK`` of ``size`` entries (window x host lengths): each slot sees
-    its prefix and its tree ancestors; a plain step's root its prefix and itself."""
+    its prefix and its tree ancestors (one kernel, :func:`.kernels.full_mask`), written into
+    ``out`` when given (the verify graph's static mask); a plain step's root its prefix and
+    itself."""
     window = layout.tokens.shape[1]
     if window == 1:
         return _all_true(size, prefix_lens.device)
-    mask = torch.empty(size, dtype=torch.bool, device=prefix_lens.device)
-    write_full_mask(layout.ancestor_mask, prefix_lens, mask)
+    mask = torch.empty(size, dtype=torch.bool, device=prefix_lens.device) if out is None else out
+    kernels.full_mask(layout.ancestor_mask, prefix_lens, mask)
     return mask
 
 
@@ -217,7 +220,10 @@ class SGLangBackend:
         else:  # the reservation covers the window (see host_lengths)
             host_lens = self.host_prefix_lens
         host_sum = int(host_lens.sum())
-        mask = _verify_mask(layout, prefix_lens, window * host_sum)  # FULL_MASK entries
+        size = window * host_sum  # FULL_MASK entries
+        runner = self._verify_runner()
+        static = None if runner is None else runner.static_mask(len(host_lens), window, size)
+        mask = _verify_mask(layout, prefix_lens, size, static)
         verify_input = DFlashVerifyInput(
             draft_token=layout.tokens.reshape(-1),
             positions=layout.positions.reshape(-1),
@@ -243,6 +249,16 @@ class SGLangBackend:
             seq_lens_sum,
         )
         return forward_batch
+
+    def _verify_runner(self) -> Any:
+        """The DDTREE verify graphs the verify replays from: the worker's (CPU closure replay)
+        or, on CUDA, the target model runner's (:mod:`.graphs`); None when there are none."""
+        from sglang_tree_spec.plugin.graphs import DDTreeVerifyGraphs
+
+        runner = self.worker.verify_graphs or getattr(
+            self.worker.target_worker.model_runner, compat.MODEL_RUNNER_GRAPH_RUNNER, None
+        )
+        return runner if isinstance(runner, DDTreeVerifyGraphs) else None
 
     def _target_forward(self, forward_batch: Any) -> None:
         """The verify forward: replayed from the worker's verify graphs where they take it,

@@ -427,6 +427,22 @@ class DDTreeVerifyGraphs:
     def _padded_bs(self, bs: int) -> int | None:
         return next((size for size in self.capture_bs if size >= bs), None)
 
+    def static_mask(self, bs: int, window: int, size: int) -> torch.Tensor | None:
+        """The static tree mask's first ``size`` entries when a verify of ``bs`` requests and
+        ``window`` slots whose mask has ``size`` entries replays here (the step writes its mask
+        there, and :meth:`load_batch` copies none), else None."""
+        if window not in self.windows or self._padded_bs(bs) is None:
+            return None
+        if size > self._mask_room(bs, window):
+            return None
+        return self.buffers.custom_mask[:size]
+
+    def _mask_room(self, bs: int, window: int) -> int:
+        """Entries of the static mask a ``bs``-request verify can fill (the padding rows of
+        the largest batch need theirs)."""
+        pad = (self.max_bs - bs) * window * (self.SEQ_LEN_FILL + window)
+        return self.buffers.custom_mask.numel() - pad
+
     def can_run_graph(self, forward_batch: Any) -> bool:
         """A tree verify (mask given) of a captured budget, at most the largest captured batch,
         whose mask fits the static buffer."""
@@ -441,9 +457,7 @@ class DDTreeVerifyGraphs:
             return False
         fits = forward_batch.seq_lens_cpu is not None and int(
             spec_info.custom_mask.numel()
-        ) <= self.buffers.custom_mask.numel() - (
-            (self.max_bs - bs) * window * (self.SEQ_LEN_FILL + window)
-        )
+        ) <= self._mask_room(bs, window)
         if not fits:
             self.log_eager_verify(forward_batch)
         return fits
@@ -470,7 +484,8 @@ class DDTreeVerifyGraphs:
         buf.seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
         buf.req_pool_indices[:raw_bs].copy_(forward_batch.req_pool_indices)
         mask = forward_batch.spec_info.custom_mask
-        buf.custom_mask[: mask.numel()].copy_(mask)
+        if mask.data_ptr() != buf.custom_mask.data_ptr():  # (else written in place: static_mask)
+            buf.custom_mask[: mask.numel()].copy_(mask)
         if bs > raw_bs:  # padded requests: padding row and slot, one token, mask all True
             buf.input_ids[raw_tokens:tokens].zero_()
             buf.positions[raw_tokens:tokens].zero_()

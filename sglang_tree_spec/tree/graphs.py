@@ -61,6 +61,7 @@ class TreeGraphs:
         self._shapes: dict[tuple, _Shape] = {}
         # a build's static tree -> its layout's parts, ``[bs, W, W]`` mask and ``[bs, W]`` depths
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._built: dict[int, int] = {}  # a build's static tree tokens -> its max depth
         self.replays = 0
         self.captures = 0
         self.failed: str | None = None  # a capture failed: every build is eager from then on
@@ -119,7 +120,22 @@ class TreeGraphs:
         tree = DraftTree(*(getattr(built, f.name) for f in dataclasses.fields(DraftTree)))
         if self.failed is None:  # static outputs only (a fresh tree's address is reused)
             self._layouts[tree.tokens.data_ptr()] = (built.ancestors, built.slots)
+            self._built[tree.tokens.data_ptr()] = tree.max_depth
         return tree
+
+    def greedy_accept_logits(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
+        """:meth:`greedy_accept` of the target's ``[bs, B + 1, V]`` logits: their argmax is
+        written straight into the captured shape's static input (no copy)."""
+        shape = self._shapes.get(self._accept_key(tree, logits.shape[0]))
+        if shape is None or self.failed is not None:
+            return self.greedy_accept(tree, logits.argmax(dim=-1))
+        argmax = shape.inputs[-1][: logits.shape[0]]
+        torch.argmax(logits, dim=-1, out=argmax)
+        return self.greedy_accept(tree, argmax)
+
+    def _accept_key(self, tree: DraftTree, bs: int) -> tuple:
+        return (self.padded(bs), "accept", tree.budget, tree.max_depth, tree.logprobs.dtype,
+                torch.long)  # fmt: skip
 
     def verify_layout(
         self, tree: DraftTree, root_tokens: torch.Tensor, prefix_lens: torch.Tensor
@@ -149,12 +165,18 @@ class TreeGraphs:
             return greedy_accept(DraftTree(tokens, parents, depths, logprobs, valid, depth), argmax)
 
         fields = (tree.tokens, tree.parents, tree.depths, tree.logprobs, tree.valid)
-        return self._replayed(key, run, (*fields, target_argmax))
+        # a build's own tree (same depth) is read where the build wrote it: no copies
+        shared = self._built.get(tree.tokens.data_ptr()) == depth
+        return self._replayed(key, run, (*fields, target_argmax), shared=len(fields) * shared)
 
-    def _replayed(self, key: tuple, run: Callable[..., Any], inputs: tuple) -> Any:
+    def _replayed(
+        self, key: tuple, run: Callable[..., Any], inputs: tuple, shared: int = 0
+    ) -> Any:
         """``run(*inputs)`` replayed from the graph of shape ``key`` at the padded batch size
         (rows are independent: a padded row computes on whatever its static input holds),
-        captured on first use; the output's rows of the batch."""
+        captured on first use; the output's rows of the batch. The first ``shared`` inputs,
+        when at the padded size, are another shape's static outputs: a capture reads them
+        there (a step's copy of them is then none)."""
         if self.failed is not None:
             return run(*inputs)
         bs = inputs[0].shape[0]
@@ -163,10 +185,12 @@ class TreeGraphs:
         shape = self._shapes.get(key)
         if shape is None:
             try:
-                shape = self._capture(run, tuple(_pad_rows(value, padded) for value in inputs))
+                padded_inputs = tuple(_pad_rows(value, padded) for value in inputs)
+                shape = self._capture(run, padded_inputs, shared if padded == bs else 0)
             except Exception as error:  # a server keeps serving: eager builds are as exact
                 self.failed = f"{type(error).__name__}: {error}"
                 self._layouts.clear()
+                self._built.clear()
                 logger.warning("DDTREE tree graphs: graph capture failed (%s); eager "
                                "from now on", self.failed)  # fmt: skip
                 return run(*inputs)
@@ -192,8 +216,8 @@ class TreeGraphs:
             if isinstance(value, torch.Tensor):
                 getattr(shape.output, field.name).copy_(value)
 
-    def _capture(self, run: Callable[..., Any], inputs: tuple) -> _Shape:
-        static = tuple(value.clone() for value in inputs)
+    def _capture(self, run: Callable[..., Any], inputs: tuple, shared: int = 0) -> _Shape:
+        static = tuple(value if i < shared else value.clone() for i, value in enumerate(inputs))
         if self.mode == "closure":
             return _Shape(static, run(*static), run)
         side = torch.cuda.Stream()

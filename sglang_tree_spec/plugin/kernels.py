@@ -1,0 +1,114 @@
+"""The DDTREE step's own Triton kernels, each replacing a run of small torch ops outside graphs.
+
+* :func:`full_mask`: SGLang's flat FULL_MASK tree mask of a verify window in ONE launch (the
+  torch version, :func:`~sglang_tree_spec.tree.layout.write_full_mask`, is about a dozen ops:
+  the indptr's cumsum, the index arithmetic, a fill and a scatter).
+
+A kernel runs where Triton runs it: on CUDA, and on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, how CI runs it); elsewhere the torch version stands in, counted as the
+one launch it replaces (:data:`LAUNCHES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sglang_tree_spec.plugin.cpu import triton_interpreted
+from sglang_tree_spec.tree.layout import write_full_mask
+
+# Called with a kernel's name at each launch, the torch stand-in's included (step accounting,
+# ``plugin/accounting.py``); empty otherwise.
+LAUNCHES: list[Callable[[str], None]] = []
+_BLOCK = 1024  # mask entries a program writes per iteration (one row chunk)
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether Triton launches kernels on ``device``'s tensors here."""
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+
+
+def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Write SGLang's flat FULL_MASK of a verify window into ``out`` in one launch.
+
+    Request ``b``'s block is ``W`` rows of ``prefix_lens[b] + W`` columns, row-major, the
+    blocks one after another: column ``c`` of row ``i`` is True for ``c < prefix_lens[b]``
+    (the cached prefix), else ``tree_mask[b, i, c - prefix_lens[b]]``. Entries past the last
+    block are set True (``out`` may be sized from host upper bounds).
+
+    Args:
+        tree_mask: ``[bs, W, W]`` bool ancestor mask of the window's slots.
+        prefix_lens: ``[bs]`` int64 cached tokens of each request (on the device).
+        out: 1-D bool, at least ``sum(W * (prefix_lens + W))`` entries.
+    """
+    for observe in LAUNCHES:
+        observe("full_mask")
+    if not runs_triton(out.device):
+        _full_mask_stand_in(tree_mask, prefix_lens, out)
+        return
+    import triton
+
+    bs, window = tree_mask.shape[0], tree_mask.shape[1]
+    _full_mask_kernel()[(bs + 1, window)](
+        tree_mask.contiguous().view(torch.uint8),
+        prefix_lens.to(torch.int64),
+        out.view(torch.uint8),
+        out.numel(),
+        bs,
+        window,
+        BS_BLOCK=triton.next_power_of_2(bs),
+        BLOCK=_BLOCK,
+    )
+
+
+def _full_mask_stand_in(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor):
+    """The torch version, where no Triton runs (``CPU_ONLY_SITES``: one launch on a GPU)."""
+    write_full_mask(tree_mask, prefix_lens.to(torch.int64), out)
+
+
+_KERNEL = None
+
+
+def _full_mask_kernel():
+    """The jitted kernel, defined on first use (importing the plugin needs no Triton)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def full_mask_kernel(
+        tree_ptr, prefix_ptr, out_ptr, out_size, bs, window,
+        BS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # program (b, i): row i of request b; programs (bs, i): the tail past the last block
+        b = tl.program_id(0)
+        i = tl.program_id(1)
+        rows = tl.arange(0, BS_BLOCK)
+        prefixes = tl.load(prefix_ptr + rows, mask=rows < bs, other=0)
+        start = tl.sum(tl.where(rows < b, window * (prefixes + window), 0))  # block b's first
+        if b < bs:
+            prefix = tl.sum(tl.where(rows == b, prefixes, 0))  # (a 0-d value: no scalar load)
+            row_len = prefix + window
+            row_start = start + i * row_len
+            for chunk in range(0, row_len, BLOCK):
+                col = chunk + tl.arange(0, BLOCK)
+                in_row = col < row_len
+                in_tree = col >= prefix
+                tree_col = tl.where(in_tree, col - prefix, 0)
+                ancestor = tl.load(
+                    tree_ptr + (b * window + i) * window + tree_col,
+                    mask=in_row & in_tree,
+                    other=1,
+                )
+                value = tl.where(in_tree, ancestor, 1).to(tl.uint8)
+                tl.store(out_ptr + row_start + col, value, mask=in_row)
+        else:
+            for chunk in range(start + i * BLOCK, out_size, window * BLOCK):
+                entry = chunk + tl.arange(0, BLOCK)
+                tl.store(out_ptr + entry, tl.full((BLOCK,), 1, tl.uint8), mask=entry < out_size)
+
+    _KERNEL = full_mask_kernel
+    return _KERNEL
