@@ -169,9 +169,7 @@ class TreeGraphs:
         shared = self._built.get(tree.tokens.data_ptr()) == depth
         return self._replayed(key, run, (*fields, target_argmax), shared=len(fields) * shared)
 
-    def _replayed(
-        self, key: tuple, run: Callable[..., Any], inputs: tuple, shared: int = 0
-    ) -> Any:
+    def _replayed(self, key: tuple, run: Callable[..., Any], inputs: tuple, shared: int = 0) -> Any:
         """``run(*inputs)`` replayed from the graph of shape ``key`` at the padded batch size
         (rows are independent: a padded row computes on whatever its static input holds),
         captured on first use; the output's rows of the batch. The first ``shared`` inputs,
