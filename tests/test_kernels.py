@@ -77,3 +77,17 @@ def test_each_full_mask_is_one_launch(monkeypatch):
     monkeypatch.setattr(kernels, "LAUNCHES", [launched.append])
     check_full_mask(2, 9, 30, 0)
     assert launched == ["full_mask"]
+
+
+def test_a_kernel_that_fails_leaves_the_torch_mask(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kernels, "runs_triton", lambda device: True)
+    monkeypatch.setattr(kernels, "_full_mask_kernel", broken)
+    monkeypatch.setattr(kernels, "_FAILED", [])
+    with caplog.at_level("WARNING"):
+        check_full_mask(3, 9, 50, 4)
+        check_full_mask(2, 5, 10, 0)
+    assert kernels._FAILED == ["RuntimeError: no compiler"]
+    assert caplog.text.count("tree-mask kernel failed") == 1

@@ -11,6 +11,7 @@ one launch it replaces (:data:`LAUNCHES`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,9 +19,12 @@ import torch
 from sglang_tree_spec.plugin.cpu import triton_interpreted
 from sglang_tree_spec.tree.layout import write_full_mask
 
+logger = logging.getLogger(__name__)
+
 # Called with a kernel's name at each launch, the torch stand-in's included (step accounting,
 # ``plugin/accounting.py``); empty otherwise.
 LAUNCHES: list[Callable[[str], None]] = []
+_FAILED: list[str] = []  # why a kernel failed to compile or launch here (then torch stands in)
 _BLOCK = 1024  # mask entries a program writes per iteration (one row chunk)
 
 
@@ -44,22 +48,27 @@ def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Ten
     """
     for observe in LAUNCHES:
         observe("full_mask")
-    if not runs_triton(out.device):
+    if not runs_triton(out.device) or _FAILED:
         _full_mask_stand_in(tree_mask, prefix_lens, out)
         return
     import triton
 
     bs, window = tree_mask.shape[0], tree_mask.shape[1]
-    _full_mask_kernel()[(bs + 1, window)](
-        tree_mask.contiguous().view(torch.uint8),
-        prefix_lens.to(torch.int64),
-        out.view(torch.uint8),
-        out.numel(),
-        bs,
-        window,
-        BS_BLOCK=triton.next_power_of_2(bs),
-        BLOCK=_BLOCK,
-    )
+    try:
+        _full_mask_kernel()[(bs + 1, window)](
+            tree_mask.contiguous().view(torch.uint8),
+            prefix_lens.to(torch.int64),
+            out.view(torch.uint8),
+            out.numel(),
+            bs,
+            window,
+            BS_BLOCK=triton.next_power_of_2(bs),
+            BLOCK=_BLOCK,
+        )
+    except Exception as error:  # a server keeps serving: the torch mask is the same mask
+        _FAILED.append(f"{type(error).__name__}: {error}")
+        logger.warning("DDTREE tree-mask kernel failed (%s); torch from now on", _FAILED[0])
+        _full_mask_stand_in(tree_mask, prefix_lens, out)
 
 
 def _full_mask_stand_in(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor):
