@@ -64,7 +64,8 @@ PHASE_REPORT_EVERY = 25  # SGLANG_TREE_SPEC_STEP_TIMES of the phases step
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 GRAPHS_OFF_LINE = "DDTREE: CUDA graphs disabled (no tree-mask capture yet)"
 # Run as the ``environment`` step, in the steps' environment (the unpacked site included):
-# the GPU, CUDA and every version, written to the JSON file named by argv[1].
+# the GPU, CUDA, every version and whether the tree-mask kernel writes torch's mask, written to
+# the JSON file named by argv[1].
 ENV_PROBE = """
 import importlib.metadata, json, sys
 import pytest, torch, sglang, sglang_tree_spec.plugin
@@ -79,6 +80,15 @@ gpu = torch.cuda.get_device_properties(0)
 facts = {"device": gpu.name, "capability": list(torch.cuda.get_device_capability(0)),
          "memory_gib": round(gpu.total_memory / 2**30, 1), "cuda": torch.version.cuda,
          "versions": found}
+from sglang_tree_spec.plugin import kernels  # the tree-mask kernel on this GPU, against torch
+from sglang_tree_spec.tree.layout import write_full_mask
+tree = torch.rand(5, 9, 9, device="cuda") < 0.5
+prefix = torch.randint(0, 3000, (5,), device="cuda")
+want = torch.zeros(int((9 * (prefix + 9)).sum()) + 11, dtype=torch.bool, device="cuda")
+write_full_mask(tree, prefix, want)
+got = torch.zeros_like(want)
+kernels.full_mask(tree, prefix, got)
+facts["full_mask_kernel"] = bool(torch.equal(got, want)) and not kernels._FAILED
 open(sys.argv[1], "w").write(json.dumps(facts, indent=2) + chr(10))
 print(json.dumps(facts))
 """
