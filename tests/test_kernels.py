@@ -2,7 +2,8 @@
 
 The kernel itself runs under Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess: the
 interpreter is chosen when Triton is imported) with the plugin's interpreter hook applied, as on
-an interpreted CPU server; the torch stand-in runs here. Both must write exactly what
+an interpreted CPU server, in both tilings (a program a request as interpreted, a program a row
+as on a GPU); the torch stand-in runs here. Both must write exactly what
 :func:`~sglang_tree_spec.tree.layout.write_full_mask` writes, over batch sizes that are not
 powers of two, windows of one slot and of a wide tree, empty and multi-chunk prefixes and a
 buffer sized past the last block (host upper bounds), whose tail must read True.
@@ -37,8 +38,10 @@ from test_kernels import CASES, check_full_mask
 from sglang_tree_spec.plugin import kernels
 
 assert kernels.runs_triton(torch.device("cpu"))
-for case in CASES:
-    check_full_mask(*case)
+for one_program_a_request in (True, False):  # the interpreter's tiling, then the GPU's
+    kernels._ONE_PROGRAM_A_REQUEST_INTERPRETED = one_program_a_request
+    for case in CASES:
+        check_full_mask(*case)
 print("kernel ok", len(CASES))
 """
 

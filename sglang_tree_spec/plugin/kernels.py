@@ -54,8 +54,9 @@ def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Ten
     import triton
 
     bs, window = tree_mask.shape[0], tree_mask.shape[1]
+    rows = mask_rows_per_program(window, out.device)
     try:
-        _full_mask_kernel()[(bs + 1, window)](
+        _full_mask_kernel()[(bs + 1, triton.cdiv(window, rows))](
             tree_mask.contiguous().view(torch.uint8),
             prefix_lens.to(torch.int64),
             out.view(torch.uint8),
@@ -63,12 +64,27 @@ def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Ten
             bs,
             window,
             BS_BLOCK=triton.next_power_of_2(bs),
+            ROWS=rows,
             BLOCK=_BLOCK,
         )
     except Exception as error:  # a server keeps serving: the torch mask is the same mask
         _FAILED.append(f"{type(error).__name__}: {error}")
         logger.warning("DDTREE tree-mask kernel failed (%s); torch from now on", _FAILED[0])
         _full_mask_stand_in(tree_mask, prefix_lens, out)
+
+
+def mask_rows_per_program(window: int, device: torch.device) -> int:
+    """Window rows one program of the mask kernel writes: one on a GPU (a program a row
+    keeps long prefixes parallel); every row of a request under the interpreter, which runs
+    programs one after another, each at a fixed cost."""
+    if device.type == "cuda" or not _ONE_PROGRAM_A_REQUEST_INTERPRETED:
+        return 1
+    import triton
+
+    return triton.next_power_of_2(window)
+
+
+_ONE_PROGRAM_A_REQUEST_INTERPRETED = True  # (tests turn it off to interpret the GPU's tiling)
 
 
 def _full_mask_stand_in(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor):
@@ -90,32 +106,36 @@ def _full_mask_kernel():
     @triton.jit
     def full_mask_kernel(
         tree_ptr, prefix_ptr, out_ptr, out_size, bs, window,
-        BS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+        BS_BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # program (b, i): row i of request b; programs (bs, i): the tail past the last block
+        # program (b, g): rows g * ROWS .. of request b; programs (bs, g): the tail past the
+        # last block
         b = tl.program_id(0)
-        i = tl.program_id(1)
-        rows = tl.arange(0, BS_BLOCK)
-        prefixes = tl.load(prefix_ptr + rows, mask=rows < bs, other=0)
-        start = tl.sum(tl.where(rows < b, window * (prefixes + window), 0))  # block b's first
+        g = tl.program_id(1)
+        requests = tl.arange(0, BS_BLOCK)
+        prefixes = tl.load(prefix_ptr + requests, mask=requests < bs, other=0)
+        start = tl.sum(tl.where(requests < b, window * (prefixes + window), 0))  # block b's
         if b < bs:
-            prefix = tl.sum(tl.where(rows == b, prefixes, 0))  # (a 0-d value: no scalar load)
+            prefix = tl.sum(tl.where(requests == b, prefixes, 0))  # (0-d: no scalar load)
             row_len = prefix + window
-            row_start = start + i * row_len
+            row = g * ROWS + tl.arange(0, ROWS)  # [ROWS]
+            row_ok = row < window
+            row_start = start + row * row_len  # [ROWS]
             for chunk in range(0, row_len, BLOCK):
-                col = chunk + tl.arange(0, BLOCK)
-                in_row = col < row_len
+                col = chunk + tl.arange(0, BLOCK)  # [BLOCK]
                 in_tree = col >= prefix
                 tree_col = tl.where(in_tree, col - prefix, 0)
+                ok = row_ok[:, None] & (col < row_len)[None, :]  # [ROWS, BLOCK]
                 ancestor = tl.load(
-                    tree_ptr + (b * window + i) * window + tree_col,
-                    mask=in_row & in_tree,
+                    tree_ptr + (b * window + row[:, None]) * window + tree_col[None, :],
+                    mask=ok & in_tree[None, :],
                     other=1,
                 )
-                value = tl.where(in_tree, ancestor, 1).to(tl.uint8)
-                tl.store(out_ptr + row_start + col, value, mask=in_row)
+                value = tl.where(in_tree[None, :], ancestor, 1).to(tl.uint8)
+                tl.store(out_ptr + row_start[:, None] + col[None, :], value, mask=ok)
         else:
-            for chunk in range(start + i * BLOCK, out_size, window * BLOCK):
+            stride = tl.num_programs(1) * BLOCK
+            for chunk in range(start + g * BLOCK, out_size, stride):
                 entry = chunk + tl.arange(0, BLOCK)
                 tl.store(out_ptr + entry, tl.full((BLOCK,), 1, tl.uint8), mask=entry < out_size)
 
