@@ -25,11 +25,11 @@ from sglang_tree_spec.accounting import StepAccounting
 # A DDTREE step at budget 8 on the small pair (benchmarks/results/step_accounting_cpu.md): the
 # drafter's block (SGLang's draft graph on CUDA), the tree build with its layout, the verify and
 # the greedy acceptance are replays; outside graphs are the tree mask (one kernel), the verify
-# graph's input copies and the kept path's KV and drafter context. Measured 67 / 73 ops outside
-# graphs at batch size 1 / 16 (one of them the scheduler's) and 4 replays; the ceiling leaves
-# about 10% on the plugin's ops. (The scheduler's own, e.g. the overlap relay's, are the same for
-# every algorithm.)
-MAX_PLUGIN_OPS = 80
+# graph's input copies and the kept path's KV and drafter context. Measured from the plugin's
+# code at batch sizes 1-16: 66-72 ops synchronously (SGLang 0.5.17), 82 at batch size 4 under the
+# overlap scheduler (0.5.23), and 4 replays; each ceiling leaves about 10% on the plugin's ops.
+# (The scheduler's own, e.g. the overlap relay's, are the same for every algorithm.)
+MAX_PLUGIN_OPS = {False: 80, True: 90}  # by overlap
 MAX_REPLAYS = 4
 
 
@@ -116,7 +116,7 @@ def test_ddtree_fixed_budget_step_stays_under_its_ceilings(served):
         ours = {site: n for site, n in step["read_sites"].items() if "plugin/" in site}
         assert not ours, step["read_sites"]
         assert step["replays"] <= MAX_REPLAYS, step
-        assert plugin_ops(step) <= MAX_PLUGIN_OPS, step["op_sites"]
+        assert plugin_ops(step) <= MAX_PLUGIN_OPS[served["overlap"]], step["op_sites"]
         if served["overlap"]:
             assert step["reads"] == 0, step["read_sites"]  # no FutureMap wait either
 
