@@ -7,13 +7,14 @@ Each configuration is a real CPU SGLang server with ``SGLANG_TREE_SPEC_ACCOUNTIN
 the table is the mean per decode step at exactly that batch size, after the first ``--skip``
 steps of each size:
 
-* ``ops``: device ops launched outside graphs (each a kernel on a GPU);
+* ``ops``: device ops launched outside graphs (each a kernel on a GPU; a launch of the plugin's
+  own kernels, ``plugin/kernels.py``, is one op, its CPU stand-in's ops none);
 * ``replays``: graph replays (SGLang's decode and DFLASH graphs as SGLang replays them on CUDA,
   DDTREE's verify, tree-build and acceptance graphs);
 * ``reads``: blocking host reads of device data, the FutureMap host-length wait included;
 * ``uploads``: host-to-device copies (pinned, non-blocking);
 * ``stand-in ops``: ops of CPU code standing in for one GPU kernel each (KV moves, the drafter
-  context write's non-CUDA branch);
+  context write's non-CUDA branch, the plugin's tree mask);
 * ``host ms``: the step's time outside model forwards and replays (instrumented);
 * ``tok/step``: tokens committed per request and step.
 

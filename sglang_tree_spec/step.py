@@ -246,12 +246,12 @@ def decode_step(
         lay_out = build_verify_layout if graphs is None else graphs.verify_layout
         layout = lay_out(tree, bonus, prefix_lens)  # [bs, W] tokens and positions
         timer.mark("tree")
-        accept, logits = _verify(
+        accept, commit_lens, logits = _verify(
             backend, selector, sampling, tree, layout, prefix_lens, generator, timer, graphs
         )
     else:
         forwards = PLAIN_FORWARDS if plain_forwards is None else plain_forwards
-        tree, accept, logits = _plain(
+        tree, accept, commit_lens, logits = _plain(
             backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer
         )
     nested = selector is not None and selector.nested
@@ -260,7 +260,7 @@ def decode_step(
     if plan.draft:
         timer.mark("observe")
     timer.end_step(bs)
-    return _result(outcome, accept, topk_logprobs, logits, calibrated)
+    return _result(outcome, accept, commit_lens, topk_logprobs, logits, calibrated)
 
 
 def _draft(backend, selector, bonus, prefix_lens, plan, timer):
@@ -272,13 +272,13 @@ def _draft(backend, selector, bonus, prefix_lens, plan, timer):
     return drafted
 
 
-def _result(outcome: StepOutcome, accept, topk_logprobs, logits, calibrated) -> StepResult:
+def _result(outcome: StepOutcome, accept, commit_lens, topk_logprobs, logits, calibrated):
     tree = outcome.tree
     path_width = min(tree.max_depth, tree.budget) + 1  # P
     return StepResult(
         tree,
         accept,
-        accept.accept_len + 1,
+        commit_lens,
         accept.committed_tokens[:, :path_width],
         topk_logprobs,
         outcome.budget,
@@ -292,8 +292,8 @@ def _result(outcome: StepOutcome, accept, topk_logprobs, logits, calibrated) -> 
 
 def _verify(backend, selector, sampling, tree, layout, prefix_lens, generator, timer, graphs):
     """Verify ``tree`` laid out as ``layout`` in one target forward, accept with the target's
-    rule, let the selector learn and keep the accepted path: ``(AcceptResult, [bs, W, V]
-    logits)``."""
+    rule, let the selector learn and keep the accepted path: ``(AcceptResult, [bs] commit
+    lengths, [bs, W, V] logits)``."""
     logits = backend.verify(layout, prefix_lens)  # [bs, W, V]
     timer.mark("verify")
     accept = sampling.accept(tree, logits, prefix_lens, generator, graphs)
@@ -301,9 +301,10 @@ def _verify(backend, selector, sampling, tree, layout, prefix_lens, generator, t
         selector.learn(tree, layout.tokens, logits, accept.committed_tokens)
     timer.mark("accept")
     path_width = min(tree.max_depth, tree.budget) + 1  # P
-    backend.keep(accept.accepted_slots[:, :path_width], accept.accept_len + 1)
+    commit_lens = accept.accept_len + 1  # [bs] accepted drafts + the bonus
+    backend.keep(accept.accepted_slots[:, :path_width], commit_lens)
     timer.mark("commit")
-    return accept, logits
+    return accept, commit_lens, logits
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,7 @@ class _PlainShape:
         root: the empty ``[bs, 0]`` tree (each forward verifies its root alone).
         root_mask: ``[bs, 1, 1]`` bool, the root sees itself.
         one: ``[bs]`` int64 ones, tokens each forward commits.
+        commit_lens: ``[bs]`` int64 ``forwards``, tokens the step commits.
         chain: the ``[bs, forwards - 1]`` chain the forwards amount to, less its tokens.
         accept_len: ``[bs]`` int64 ``forwards - 1``: every chain node accepted.
         path: ``[bs, forwards]`` int64 the chain's window slots, root first.
@@ -323,6 +325,7 @@ class _PlainShape:
     root: DraftTree
     root_mask: torch.Tensor
     one: torch.Tensor
+    commit_lens: torch.Tensor
     chain: DraftTree
     accept_len: torch.Tensor
     path: torch.Tensor
@@ -345,6 +348,7 @@ def _plain_shape(bs: int, forwards: int, device: str) -> _PlainShape:
         root=empty_tree(bs, device),
         root_mask=torch.ones(bs, 1, 1, dtype=torch.bool, device=device),
         one=long(bs) + 1,
+        commit_lens=long(bs) + forwards,
         chain=chain,
         accept_len=long(bs) + nodes,
         path=torch.arange(forwards, device=device).repeat(bs, 1),
@@ -354,9 +358,10 @@ def _plain_shape(bs: int, forwards: int, device: str) -> _PlainShape:
 def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator, timer):
     """``forwards`` plain target forwards (the root alone, one token a request each), reported
     as the step that verified the chain of their tokens: ``(tree [bs, forwards - 1], accept,
-    logits [bs, forwards, V])`` with every node accepted. The same tokens as ``forwards``
-    one-forward steps: forward ``i`` reads position ``prefix + i``'s coin. Nothing but the
-    forwards, their acceptance and the kept tokens runs (:class:`_PlainShape`)."""
+    commit_lens [bs], logits [bs, forwards, V])`` with every node accepted. The same tokens
+    as ``forwards`` one-forward steps: forward ``i`` reads position ``prefix + i``'s coin.
+    Nothing but the forwards, their acceptance and the kept tokens runs
+    (:class:`_PlainShape`)."""
     shape = _plain_shape(bonus.shape[0], forwards, str(bonus.device))
     tokens, logits = [bonus], []
     for i in range(forwards):
@@ -377,11 +382,11 @@ def _plain(backend, selector, sampling, bonus, prefix_lens, forwards, generator,
         last = i == forwards - 1
         logits.append(forward_logits if last else forward_logits.clone())
     if forwards == 1:
-        return shape.root, accept, logits[0]
+        return shape.root, accept, shape.commit_lens, logits[0]
     committed = torch.stack(tokens[1:], dim=1)  # [bs, forwards]
     chain = replace(shape.chain, tokens=committed[:, :-1])
     accept = AcceptResult(shape.accept_len, committed[:, -1], shape.path, committed)
-    return chain, accept, torch.cat(logits, dim=1)
+    return chain, accept, shape.commit_lens, torch.cat(logits, dim=1)
 
 
 def _draft_topk(selector: TreeSelector, width: int) -> int:

@@ -79,6 +79,19 @@ def _all_true(n: int, device: torch.device) -> torch.Tensor:
     return buffer[:n]
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets(window: int, device: str) -> torch.Tensor:
+    """``[W]`` int64 ``0 .. W - 1``, one per window and device (read, never written)."""
+    return torch.arange(window, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _mask_block(bs: int, masks: int, mask_id: int, device: str) -> torch.Tensor:
+    """``[bs, masks]`` int64 of the drafter's mask token, one per shape and device (read,
+    never written): a block is the bonus and these."""
+    return torch.full((bs, masks), mask_id, dtype=torch.int64, device=device)
+
+
 class SGLangBackend:
     """Draft, verify and keep for one decode ``batch`` (a ``ModelWorkerBatch``) of ``worker``.
 
@@ -125,10 +138,8 @@ class SGLangBackend:
         worker = self.worker
         self.write_deferred_context(prefix_lens)  # the block attends to every cached token
         bs, block = bonus.shape[0], worker.block_size
-        block_ids = torch.full(
-            (bs, block), int(worker._mask_token_id), dtype=torch.int64, device=bonus.device
-        )
-        block_ids[:, 0] = bonus
+        masks = _mask_block(bs, block - 1, int(worker._mask_token_id), str(bonus.device))
+        block_ids = torch.cat([bonus.view(bs, 1).to(torch.int64), masks], dim=1)  # [bs, block]
         positions = prefix_lens[:, None] + worker.block_pos_offsets  # [bs, block]
         target_model = worker.target_worker.model_runner.model
         draft_dtype = next(worker.draft_model.parameters()).dtype
@@ -152,12 +163,14 @@ class SGLangBackend:
         with torch.inference_mode():
             draft_out = worker.draft_model_runner.forward(forward_batch)
             hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1 : depths + 1]
-            return self._topk_of_lm_head(target_model.lm_head, hidden, k)
+            return self._topk_of_lm_head(target_model.lm_head, hidden, k, depths)
 
     def _topk_of_lm_head(
-        self, lm_head: Any, hidden: torch.Tensor, k: int
+        self, lm_head: Any, hidden: torch.Tensor, k: int, width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K ``[bs, L, K]`` of the target's LM head on drafter states ``[bs, L, H]``.
+        """Top-K ``[bs, L, K]`` of the target's LM head on drafter states ``[bs, L, H]``, on
+        one rank written straight into the static inputs of the tree build it feeds (the
+        step builds a tree of ``width`` nodes from it) when that build is captured.
 
         Under tensor parallelism the head is vocabulary-parallel: each rank multiplies by
         its own rows only and :func:`vocab_parallel_topk` merges the ranks' top-K with two
@@ -167,11 +180,13 @@ class SGLangBackend:
         shortlist = self.worker.draft_vocab  # --speculative-token-map (tree/draft_vocab.py)
         k = min(k, vocab_size)
         if group.world_size == 1:
+            graphs = getattr(self.worker.selector, "graphs", None)
+            out = None if graphs is None else graphs.build_inputs(*hidden.shape[:2], k, width)
+            weight, ids = lm_head.weight[:vocab_size], None  # [V, H] without padding rows
             if shortlist is not None:  # [S, H] rows of the map's ids
                 weight, ids = shortlist.weight, shortlist.token_ids
-                return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k, ids)
-            weight = lm_head.weight[:vocab_size]  # [V, H] without padding rows
-            return topk_from_logits(torch.matmul(hidden.to(weight.dtype), weight.T), k)
+            logits = torch.matmul(hidden.to(weight.dtype), weight.T)
+            return topk_from_logits(logits, k, ids, out=out)
         # Rank r's rows are ids padded_start + j (the same count on every rank); ids at or
         # past the real vocabulary are padding and never drafted.
         shard = lm_head.shard_indices
@@ -213,7 +228,7 @@ class SGLangBackend:
         earlier, self._verified = self._verified, self._verified + 1
         window_pos = prefix_lens[:, None]  # [bs, W] KV positions of the window's slots
         if window > 1:
-            window_pos = window_pos + torch.arange(window, device=prefix_lens.device)
+            window_pos = window_pos + _offsets(window, str(prefix_lens.device))
         self._window_pos, self._window_locs = window_pos, self._slots(window_pos)
         if self.host_lens_exact:
             host_lens = self.host_prefix_lens + earlier + window  # [bs] lengths after the window

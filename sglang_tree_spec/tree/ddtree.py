@@ -153,7 +153,10 @@ def _check_topk_inputs(
 
 
 def topk_from_logits(
-    logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None
+    logits: torch.Tensor,
+    k: int,
+    token_ids: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-K log-probabilities of draft logits.
 
@@ -163,9 +166,12 @@ def topk_from_logits(
         token_ids: ``[V]`` int64 the token id of each logit column when the drafter scores a
             vocabulary shortlist (SGLang's ``--speculative-token-map``; log-probs are then
             normalised over the shortlist); None: column ``j`` is token ``j``.
+        out: ``[bs, L, k]`` float32 and int64 tensors to write the result into (a tree
+            graph's static inputs: then the build copies none).
 
     Returns:
-        ``(topk_logprobs, topk_tokens)``, both ``[bs, L, k]``, sorted descending.
+        ``(topk_logprobs, topk_tokens)``, both ``[bs, L, k]``, sorted descending (``out``
+        when given).
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [bs, L, V], got {tuple(logits.shape)}")
@@ -173,9 +179,16 @@ def topk_from_logits(
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top-K of {k} is out of range for a vocabulary of {vocab_size}")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if out is not None and token_ids is None:
+        torch.topk(logprobs, k, dim=-1, sorted=True, out=out)
+        return out
     values, tokens = torch.topk(logprobs, k, dim=-1, sorted=True)
     if token_ids is not None:
         tokens = token_ids[tokens]
+    if out is not None:
+        out[0].copy_(values)
+        out[1].copy_(tokens)
+        return out
     return values, tokens
 
 

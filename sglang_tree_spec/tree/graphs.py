@@ -123,6 +123,18 @@ class TreeGraphs:
             self._built[tree.tokens.data_ptr()] = tree.max_depth
         return tree
 
+    def build_inputs(
+        self, bs: int, depths: int, k: int, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The static ``[bs, depths, k]`` float32 log-prob and int64 token inputs of the
+        captured build of ``budget`` nodes at ``bs``'s padded size (a top-K written there is
+        not copied again), else None."""
+        key = (self.padded(bs), "build", depths, k, torch.float32, torch.long, budget)
+        shape = self._shapes.get(key)
+        if shape is None or self.failed is not None:
+            return None
+        return shape.inputs[0][:bs], shape.inputs[1][:bs]
+
     def greedy_accept_logits(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """:meth:`greedy_accept` of the target's ``[bs, B + 1, V]`` logits: their argmax is
         written straight into the captured shape's static input (no copy)."""
