@@ -26,8 +26,11 @@ from sglang_tree_spec.models.shaped_pair import MAX_POSITIONS, drafter_config, t
 from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.capture_plan import (
     CAPTURE_SHARE,
+    FLASHINFER_WRAPPER_BYTES,
+    FLASHINFER_WRAPPER_PINNED_BYTES,
     GIB,
     dflash_plan,
+    kept_wrapper_bytes,
     speculation_cap,
     verify_plan,
 )
@@ -157,6 +160,28 @@ def test_a_wider_window_is_capped_where_it_would_not_fit(defaults, device, windo
     assert captured and plan.total <= CAPTURE_SHARE * memory
     assert verify_plan([cap + 1], budgets, **shape).total > CAPTURE_SHARE * memory
     assert verify_plan([cap], budgets, **shape).total <= CAPTURE_SHARE * memory
+
+
+@pytest.mark.parametrize("device", DEVICES_GIB)
+def test_flashinfer_wrappers_kept_per_shape_lower_the_cap_where_they_do_not_fit(defaults, device):
+    """With ``--attention-backend flashinfer`` every shape keeps its wrappers (each an 8 MiB
+    device workspace and a pinned host copy): at SGLang's defaults the plan counts them, and
+    the cap is the largest batch size whose shapes up to it fit (an H200 still captures every
+    default size, an H100 not)."""
+    found = defaults[device]
+    sizes, window = found["batch_sizes"], found["window"]
+    memory, budgets = found["gib"] * GIB, budgets_of(window)
+    shape = {**shape_of(window, LLAMA_CONTEXT), "wrapper_bytes": kept_wrapper_bytes(True)}
+    cap = speculation_cap(budgets, memory, batch_sizes=sizes, **shape)
+    captured = [b for b in sizes if b <= cap]
+    plan = verify_plan(captured, budgets, **shape)
+    report(device, found, plan, cap)
+    assert plan.wrappers == plan.shapes * FLASHINFER_WRAPPER_BYTES > GIB
+    assert plan.pinned == plan.shapes * FLASHINFER_WRAPPER_PINNED_BYTES
+    assert plan.total <= CAPTURE_SHARE * memory
+    wider = verify_plan([*captured, cap + 1], budgets, **shape)
+    assert wider.total > CAPTURE_SHARE * memory
+    assert (cap >= max(sizes)) == (device == "H200")  # an H100 speculates up to 192 here
 
 
 def test_the_cap_is_zero_when_one_request_does_not_fit():

@@ -51,9 +51,10 @@ class PerBatchSizeBackend:
 
     def __init__(self) -> None:
         self.graph_reads: dict[tuple[int, int], Wrapper] = {}
+        setattr(self, compat.BACKEND_VERIFY_WRAPPERS, {})  # (flashinfer's __init__ makes it)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        setattr(self, compat.BACKEND_VERIFY_WRAPPERS, {})
+        return None
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         bs, window = forward_batch.batch_size, int(forward_batch.spec_info.draft_token_num)
@@ -164,6 +165,17 @@ def test_every_shapes_wrappers_stay_alive():
     assert set(graphs.wrappers.kept) == set(backend.graph_reads)
     for key, wrapper in backend.graph_reads.items():
         assert graphs.wrappers.kept[key] is wrapper
+
+
+def test_the_capture_plan_counts_every_shapes_kept_wrappers():
+    """Kept per shape, flashinfer's wrappers are device memory of the verify graphs: the plan
+    counts one set (one prefill wrapper: no sliding window) for each captured shape."""
+    from sglang_tree_spec.plugin.capture_plan import FLASHINFER_WRAPPER_BYTES
+
+    graphs, _ = runner()
+    assert graphs.plan.shapes == len(graphs.wrappers.kept)
+    assert graphs.plan.wrappers == graphs.plan.shapes * FLASHINFER_WRAPPER_BYTES
+    assert "backend wrappers" in graphs.plan.line()
 
 
 def test_the_installed_flashinfer_backend_files_its_verify_wrappers_per_batch_size():

@@ -12,7 +12,10 @@ size, window) and keeps, for all of them together:
   reads ``[max_bs * W, hidden_width]`` in the model's dtype;
 * the graph pool, shared by every shape: at least the largest graph's LM-head output before
   its copy into the fp32 buffer, ``[max_bs * W, vocab]`` in the model's dtype (the layers'
-  activations are smaller at these widths).
+  activations are smaller at these widths);
+* on a backend whose captured verify wrappers are kept per shape (flashinfer:
+  ``graphs.WrappersPerBatchSize``), each shape's wrappers: flashinfer gives every prefill
+  wrapper its own integer workspace on the device and a pinned host copy of it.
 
 ``W`` is the largest verify window (largest budget + 1). :func:`verify_plan` counts those
 bytes; :func:`speculation_cap` is the largest batch size whose plan fits in
@@ -33,6 +36,11 @@ from collections.abc import Iterable
 CAPTURE_SHARE = 0.05
 INDEX_BYTES = 8  # int64 ids, positions, KV slots, lengths and rows
 LOGITS_BYTES = 4  # the verify's fp32 logits (SGLang's graph output dtype)
+# A flashinfer prefill wrapper's own buffers (flashinfer 0.6-0.7 BatchPrefillWithPagedKVCache
+# Wrapper.__init__): an 8 MiB integer workspace and a 32768-entry int32 KV-lengths buffer on the
+# device, and an 8 MiB pinned host copy of the workspace.
+FLASHINFER_WRAPPER_BYTES = (8 << 20) + 4 * 32768
+FLASHINFER_WRAPPER_PINNED_BYTES = 8 << 20
 GIB = 1 << 30
 
 
@@ -48,10 +56,12 @@ class CapturePlan:
     logits: int  # fp32 graph outputs
     hidden: int  # hidden-state graph outputs
     pool: int  # the graph pool's peak (the largest graph's LM-head output)
+    wrappers: int = 0  # the attention backend's verify wrappers kept per shape (device)
+    pinned: int = 0  # their pinned host memory (not device memory: not in ``total``)
 
     @property
     def total(self) -> int:
-        return self.inputs + self.mask + self.logits + self.hidden + self.pool
+        return self.inputs + self.mask + self.logits + self.hidden + self.pool + self.wrappers
 
     def line(self) -> str:
         """The plan in one line (the start-up log)."""
@@ -62,6 +72,12 @@ class CapturePlan:
             f"{list(self.budgets)}), {self.total / GIB:.2f} GiB: logits {self.logits / GIB:.2f}, "
             f"hidden states {self.hidden / GIB:.2f}, tree mask {self.mask / GIB:.2f}, inputs "
             f"{self.inputs / GIB:.3f}, graph pool >= {self.pool / GIB:.2f}"
+            + (
+                f", backend wrappers {self.wrappers / GIB:.2f} (+ {self.pinned / GIB:.2f} GiB "
+                "pinned host memory)"
+                if self.wrappers
+                else ""
+            )
         )
 
 
@@ -73,27 +89,41 @@ def verify_plan(
     hidden_width: int,
     max_context: int,
     dtype_bytes: int,
+    wrapper_bytes: tuple[int, int] = (0, 0),
 ) -> CapturePlan:
     """DDTREE's verify graphs at ``batch_sizes`` x ``budgets`` (window = budget + 1): one
     output set sized for the largest shape. ``hidden_width``: the hidden states the target
     captures for the drafter (hidden size x target layers read); ``max_context``: a
-    ``req_to_token`` row (the tree mask's prefix columns)."""
+    ``req_to_token`` row (the tree mask's prefix columns); ``wrapper_bytes``: the device and
+    pinned host bytes of the backend wrappers each shape keeps (:func:`kept_wrapper_bytes`)."""
     sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
     budgets = tuple(sorted(set(int(b) for b in budgets)))
     if not sizes:
         return CapturePlan((), budgets, 0, 0, 0, 0, 0, 0)
     max_bs, window = sizes[-1], budgets[-1] + 1
     tokens = max_bs * window
+    shapes = len(sizes) * len(budgets)
     return CapturePlan(
         batch_sizes=sizes,
         budgets=budgets,
-        shapes=len(sizes) * len(budgets),
+        shapes=shapes,
         inputs=INDEX_BYTES * (3 * tokens + 3 * max_bs),
         mask=tokens * (max_context + window),
         logits=LOGITS_BYTES * tokens * vocab,
         hidden=dtype_bytes * tokens * hidden_width,
         pool=dtype_bytes * tokens * vocab,
+        wrappers=shapes * wrapper_bytes[0],
+        pinned=shapes * wrapper_bytes[1],
     )
+
+
+def kept_wrapper_bytes(kept_per_shape: bool, wrappers_per_shape: int = 1) -> tuple[int, int]:
+    """Device and pinned host bytes of the verify wrappers a shape keeps: flashinfer's
+    ``wrappers_per_shape`` prefill wrappers when kept per shape, else none."""
+    if not kept_per_shape:
+        return (0, 0)
+    count = int(wrappers_per_shape)
+    return (count * FLASHINFER_WRAPPER_BYTES, count * FLASHINFER_WRAPPER_PINNED_BYTES)
 
 
 def speculation_cap(
@@ -105,20 +135,25 @@ def speculation_cap(
     hidden_width: int,
     max_context: int,
     dtype_bytes: int,
+    wrapper_bytes: tuple[int, int] = (0, 0),
+    batch_sizes: Iterable[int] = (),
 ) -> int:
     """The largest batch size whose verify plan (:func:`verify_plan`, sized by its largest
-    shape) fits in ``share`` of ``device_bytes``; 0 when not even one request's does."""
+    shape) fits in ``share`` of ``device_bytes``; 0 when not even one request's does. With
+    wrappers kept per shape the plan captures ``batch_sizes`` up to the cap."""
     budgets = tuple(budgets)
     limit = share * device_bytes
+    sizes = sorted(set(int(b) for b in batch_sizes))
 
     def fits(bs: int) -> bool:
         plan = verify_plan(
-            [bs],
+            [b for b in sizes if b < bs] + [bs],
             budgets,
             vocab=vocab,
             hidden_width=hidden_width,
             max_context=max_context,
             dtype_bytes=dtype_bytes,
+            wrapper_bytes=wrapper_bytes,
         )
         return plan.total <= limit
 

@@ -27,8 +27,8 @@ runner and ``DFlashVerifyInput.prepare_for_verify`` call (``can_run_graph``, ``l
   wrappers): :class:`WrappersPerBatchSize` hands a shape's wrappers back before its replay
   plans them;
 * captures batch sizes up to the speculation cap only (:mod:`.capture_plan`: the largest batch
-  whose buffers fit in a share of device memory); the worker runs larger batches as plain
-  steps. The plan is logged at start-up.
+  whose buffers, and the backend wrappers kept per shape, fit in a share of device memory);
+  the worker runs larger batches as plain steps. The plan is logged at start-up.
 
 On CPU SGLang captures no decode graph; with ``SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS=1`` the DDTREE
 worker builds this runner itself (closure replay) and its verify runs through it, which is how
@@ -47,6 +47,7 @@ from sglang_tree_spec.plugin import compat
 from sglang_tree_spec.plugin.capture_plan import (
     CAPTURE_SHARE,
     GIB,
+    kept_wrapper_bytes,
     speculation_cap,
     verify_plan,
 )
@@ -197,8 +198,16 @@ class DDTreeVerifyGraphs:
         )
         self.max_context = int(model_runner.req_to_token_pool.req_to_token.shape[1])
         shape = self._model_shape(server_args)
+        backend = self.attn_backend
+        shape["wrapper_bytes"] = kept_wrapper_bytes(
+            isinstance(getattr(backend, compat.BACKEND_VERIFY_WRAPPERS, None), dict),
+            getattr(backend, "num_wrappers", 1),
+        )  # (flashinfer's wrappers of every shape are kept: WrappersPerBatchSize)
         self.speculation_cap = speculation_cap(
-            [w - 1 for w in self.windows], device_memory(self.device), **shape
+            [w - 1 for w in self.windows],
+            device_memory(self.device),
+            batch_sizes=batch_sizes,
+            **shape,
         )
         # Batches above the cap take plain steps (the worker); capture at least batch size 1.
         self.capture_bs = sorted({b for b in batch_sizes if b <= self.speculation_cap}) or [1]
