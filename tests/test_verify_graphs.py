@@ -35,9 +35,10 @@ from test_sglang_ddtree import (
 from transformers import AutoTokenizer
 
 from sglang_tree_spec.models.small_pair import heldout_prompts
-from sglang_tree_spec.plugin.graphs import CPU_GRAPHS_ENV
+from sglang_tree_spec.plugin.graphs import CPU_GRAPHS_ENV, SPECULATION_CAP_ENV
 from sglang_tree_spec.plugin.validation import CPU_OVERLAP_ENV
 from sglang_tree_spec.server_process import free_port
+from sglang_tree_spec.step_times import LOG_ENV_FLAG
 
 pair = test_sglang_ddtree.pair  # the module fixture: the small pair in float32
 
@@ -119,6 +120,44 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
     assert int(plan.group(1)) == len(BATCH_SIZES) * len(BUDGETS)
     assert int(plan.group(2)) >= max(BATCH_SIZES)  # the tiny pair fits any host
     assert NEW_TOKENS > 1
+
+
+@pytest.fixture(scope="module")
+def capped(pair, prompts, tmp_path_factory) -> Iterator[dict]:
+    """A DDTREE server whose speculation is capped at batch size 1
+    (``SGLANG_TREE_SPEC_SPECULATION_CAP``): its greedy outputs two at a time, its step log and
+    its server log."""
+    work = tmp_path_factory.mktemp("capped")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CPU_GRAPHS_ENV, "1")
+        patch.setenv(SPECULATION_CAP_ENV, "1")
+        patch.setenv(LOG_ENV_FLAG, str(work))
+        for server in running_server(command(pair, max(BUDGETS)), work / "server.log"):
+            outputs = server.greedy(prompts, 2)
+            alone = server.greedy(prompts[:1], 1)
+        (steps,) = work.glob("steps_*.csv")
+        yield {
+            "concurrent": outputs,
+            "alone": alone,
+            "steps": [line.split(",") for line in steps.read_text().splitlines()[1:]],
+            "log": (work / "server.log").read_text(),
+        }
+
+
+def test_batches_above_a_forced_speculation_cap_decode_plainly_and_exactly(capped, baseline):
+    """Two requests at a time, then one alone: the steps of two take plain steps (budget 0),
+    those of one speculate; only batch size 1 is captured; greedy equals no speculation."""
+    assert capped["concurrent"] == baseline
+    assert capped["alone"] == baseline[:1]
+    budgets = {}
+    for step in capped["steps"]:  # (bs, budget, ...)
+        budgets.setdefault(int(step[0]), set()).add(int(step[1]))
+    assert budgets.get(2) == {0}, budgets
+    assert budgets.get(1) and max(budgets[1]) > 0, budgets
+    log = capped["log"]
+    assert "speculates up to batch size 1 " in log
+    assert "DDTREE verify graphs (closure replay): batch sizes [1] x budgets" in log
+    assert "DDTREE verify ran eagerly" not in log
 
 
 @pytest.fixture(scope="module")

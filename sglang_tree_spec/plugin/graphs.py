@@ -59,6 +59,20 @@ CPU_GRAPHS_ENV = "SGLANG_TREE_SPEC_CPU_VERIFY_GRAPHS"
 replay (tests)."""
 
 
+SPECULATION_CAP_ENV = "SGLANG_TREE_SPEC_SPECULATION_CAP"
+"""A batch size: DDTREE speculates at most up to it (the capture plan's cap is kept where it
+is lower); larger batches take plain steps, and no verify graph is captured above it."""
+
+
+def forced_speculation_cap() -> int | None:
+    value = os.environ.get(SPECULATION_CAP_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"DDTREE: {SPECULATION_CAP_ENV} is a batch size >= 1, got {value!r}")
+    return int(value)
+
+
 def cpu_verify_graphs_requested() -> bool:
     return os.environ.get(CPU_GRAPHS_ENV, "0") == "1"
 
@@ -209,6 +223,9 @@ class DDTreeVerifyGraphs:
             batch_sizes=batch_sizes,
             **shape,
         )
+        forced = forced_speculation_cap()
+        if forced is not None:
+            self.speculation_cap = min(self.speculation_cap, forced)
         # Batches above the cap take plain steps (the worker); capture at least batch size 1.
         self.capture_bs = sorted({b for b in batch_sizes if b <= self.speculation_cap}) or [1]
         self.max_bs = self.capture_bs[-1]
