@@ -123,7 +123,7 @@ def test_every_batch_size_and_budget_was_captured_and_replayed(replayed):
 
 
 @pytest.fixture(scope="module")
-def capped(pair, prompts, tmp_path_factory) -> Iterator[dict]:
+def capped(pair, prompts, tmp_path_factory) -> dict:
     """A DDTREE server whose speculation is capped at batch size 1
     (``SGLANG_TREE_SPEC_SPECULATION_CAP``): its greedy outputs two at a time, its step log and
     its server log."""
@@ -135,13 +135,14 @@ def capped(pair, prompts, tmp_path_factory) -> Iterator[dict]:
         for server in running_server(command(pair, max(BUDGETS)), work / "server.log"):
             outputs = server.greedy(prompts, 2)
             alone = server.greedy(prompts[:1], 1)
-        (steps,) = work.glob("steps_*.csv")
-        yield {
-            "concurrent": outputs,
-            "alone": alone,
-            "steps": [line.split(",") for line in steps.read_text().splitlines()[1:]],
-            "log": (work / "server.log").read_text(),
-        }
+    # (the variables are unset again: the module's later servers are not capped)
+    (steps,) = work.glob("steps_*.csv")
+    return {
+        "concurrent": outputs,
+        "alone": alone,
+        "steps": [line.split(",") for line in steps.read_text().splitlines()[1:]],
+        "log": (work / "server.log").read_text(),
+    }
 
 
 def test_batches_above_a_forced_speculation_cap_decode_plainly_and_exactly(capped, baseline):
