@@ -189,3 +189,5 @@ def test_the_installed_flashinfer_backend_files_its_verify_wrappers_per_batch_si
     assert f"self.{name} = {{}}" in source  # made in the constructor
     assert f"self.{name}[bs] = prefill_wrappers" in source  # filed per capture, by batch size
     assert f"prefill_wrappers=self.{name}[bs]," in source  # planned by the replay hook
+    count = compat.BACKEND_WRAPPERS_PER_SHAPE
+    assert f"self.{count} = 1" in source and f"for i in range(self.{count})" in source

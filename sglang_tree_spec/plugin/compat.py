@@ -150,6 +150,10 @@ MODEL_RUNNER_GRAPH_OUTPUT = "graph_shared_output"
 # verify graphs keep one set per (batch size, budget) and hand a shape's back before its replay
 # plans them (graphs.py ``WrappersPerBatchSize``; tests/test_verify_graph_wrappers.py).
 BACKEND_VERIFY_WRAPPERS = "prefill_cuda_graph_metadata"
+# How many prefill wrappers flashinfer makes a shape (2 with a sliding window or cross
+# attention, else 1; set in its constructor in both tested releases): the capture plan counts
+# each kept wrapper's workspace (capture_plan.py ``kept_wrapper_bytes``).
+BACKEND_WRAPPERS_PER_SHAPE = "num_wrappers"
 
 # Attributes of SGLang's scheduler ``Req`` the DDTREE worker and the finish hook (finish.py) read
 # (checked on a real Req by tests/test_compat.py).

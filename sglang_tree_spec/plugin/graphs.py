@@ -215,7 +215,7 @@ class DDTreeVerifyGraphs:
         backend = self.attn_backend
         shape["wrapper_bytes"] = kept_wrapper_bytes(
             isinstance(getattr(backend, compat.BACKEND_VERIFY_WRAPPERS, None), dict),
-            getattr(backend, "num_wrappers", 1),
+            getattr(backend, compat.BACKEND_WRAPPERS_PER_SHAPE, 1),
         )  # (flashinfer's wrappers of every shape are kept: WrappersPerBatchSize)
         self.speculation_cap = speculation_cap(
             [w - 1 for w in self.windows],

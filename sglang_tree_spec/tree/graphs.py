@@ -108,8 +108,8 @@ class TreeGraphs:
         self, topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int
     ) -> DraftTree:
         """The DDTree of ``budget`` nodes of ``[bs, L, K]`` top-K, in the shape's static outputs."""
-        shape = topk_logprobs.shape[1:]  # (the batch size is padded: _replayed)
-        key = ("build", *shape, topk_logprobs.dtype, topk_tokens.dtype, budget)
+        depths, k = topk_logprobs.shape[1:]  # (the batch size is padded: _replayed)
+        key = _build_key(depths, k, topk_logprobs.dtype, topk_tokens.dtype, budget)
 
         def run(lp: torch.Tensor, tok: torch.Tensor) -> _BuiltTree:
             tree = _build(lp, tok, budget)
@@ -129,7 +129,7 @@ class TreeGraphs:
         """The static ``[bs, depths, k]`` float32 log-prob and int64 token inputs of the
         captured build of ``budget`` nodes at ``bs``'s padded size (a top-K written there is
         not copied again), else None."""
-        key = (self.padded(bs), "build", depths, k, torch.float32, torch.long, budget)
+        key = (self.padded(bs), *_build_key(depths, k, torch.float32, torch.long, budget))
         shape = self._shapes.get(key)
         if shape is None or self.failed is not None:
             return None
@@ -138,16 +138,13 @@ class TreeGraphs:
     def greedy_accept_logits(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """:meth:`greedy_accept` of the target's ``[bs, B + 1, V]`` logits: their argmax is
         written straight into the captured shape's static input (no copy)."""
-        shape = self._shapes.get(self._accept_key(tree, logits.shape[0]))
+        bs = logits.shape[0]
+        shape = self._shapes.get((self.padded(bs), *_accept_key(tree, torch.long)))
         if shape is None or self.failed is not None:
             return self.greedy_accept(tree, logits.argmax(dim=-1))
-        argmax = shape.inputs[-1][: logits.shape[0]]
+        argmax = shape.inputs[-1][:bs]
         torch.argmax(logits, dim=-1, out=argmax)
         return self.greedy_accept(tree, argmax)
-
-    def _accept_key(self, tree: DraftTree, bs: int) -> tuple:
-        return (self.padded(bs), "accept", tree.budget, tree.max_depth, tree.logprobs.dtype,
-                torch.long)  # fmt: skip
 
     def verify_layout(
         self, tree: DraftTree, root_tokens: torch.Tensor, prefix_lens: torch.Tensor
@@ -170,7 +167,7 @@ class TreeGraphs:
         """:func:`~sglang_tree_spec.tree.accept.greedy_accept` of a ``[bs, B]`` tree and the
         target's ``[bs, B + 1]`` argmax, in the shape's static outputs: its ~40 small ops one
         replay, after the copies of the tree and the argmax into the static inputs."""
-        key = ("accept", tree.budget, tree.max_depth, tree.logprobs.dtype, target_argmax.dtype)
+        key = _accept_key(tree, target_argmax.dtype)
         depth = tree.max_depth
 
         def run(tokens, parents, depths, logprobs, valid, argmax) -> AcceptResult:
@@ -249,6 +246,16 @@ class _BuiltTree(DraftTree):
 
     ancestors: torch.Tensor = None
     slots: torch.Tensor = None
+
+
+def _build_key(depths: int, k: int, lp_dtype, token_dtype, budget: int) -> tuple:
+    """A build's shape key, less the padded batch size (``_replayed`` prepends it)."""
+    return ("build", depths, k, lp_dtype, token_dtype, budget)
+
+
+def _accept_key(tree: DraftTree, argmax_dtype) -> tuple:
+    """A greedy acceptance's shape key, less the padded batch size."""
+    return ("accept", tree.budget, tree.max_depth, tree.logprobs.dtype, argmax_dtype)
 
 
 def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
